@@ -1,0 +1,17 @@
+"""Exceptions raised by flashmoe."""
+
+
+class FlashMoEError(RuntimeError):
+    """Base class for flashmoe runtime failures."""
+
+
+class FlashMoEBuildError(FlashMoEError):
+    """The JIT could not build the kernel (missing nvcc/NVSHMEM, compiler error)."""
+
+
+class FlashMoETimeoutError(FlashMoEError):
+    """A spin-wait inside the kernel expired; the message names rank, peer, phase and expert."""
+
+
+class FlashMoEUnsupported(FlashMoEError):
+    """The megakernel cannot serve this layer (the message says why); callers fall back."""

@@ -1,0 +1,99 @@
+"""The op every engine adapter and benchmark calls: one MoE layer forward over an EP group.
+
+    moe = FlashMoE(spec, placement, group)          # once per layer, after weights are loaded
+    out = moe(hidden_states, topk_ids, topk_weights, w13, w2)
+
+On an sm_90 GPU with a supported shape it launches the megakernel (one launch per call; buffers are
+the process-wide symmetric ones from :mod:`flashmoe.buffers`); otherwise it runs the distributed
+PyTorch reference (:func:`flashmoe.reference.moe_reference_distributed`), which is also the CPU
+backend inside vLLM and SGLang. ``backend`` and ``reason`` say which and why.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from . import metrics
+from .backend import MEGAKERNEL, REFERENCE, select_backend
+from .placement import ExpertPlacement
+from .reference import check_inputs, moe_reference_distributed
+from .spec import MoELayerSpec
+
+logger = logging.getLogger("flashmoe")
+
+
+class FlashMoE:
+    def __init__(
+        self,
+        spec: MoELayerSpec,
+        placement: ExpertPlacement,
+        group=None,
+        *,
+        cpu_group=None,
+        layer_name: str = "",
+        device: torch.device | None = None,
+        quantized: bool = False,
+    ):
+        """``group``: the EP process group (NCCL on GPU, gloo on CPU; None = WORLD when initialised).
+        ``cpu_group``: a gloo group over the same ranks for NVSHMEM's bootstrap (defaults to ``group``)."""
+        import torch.distributed as dist
+
+        self.spec = spec
+        self.placement = placement
+        self.group = group
+        self.cpu_group = cpu_group if cpu_group is not None else group
+        self.layer_name = layer_name
+        distributed = dist.is_available() and dist.is_initialized()
+        self.world_size = dist.get_world_size(group) if distributed else 1
+        self.rank = dist.get_rank(group) if distributed else 0
+        if placement.world_size != self.world_size:
+            raise ValueError(f"placement is for {placement.world_size} ranks, EP group has {self.world_size}")
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        self.device = device
+        choice = select_backend(spec, device, self.world_size, quantized)
+        self.backend, self.reason = choice.name, choice.reason
+        self.layer_id = metrics.register_layer(layer_name or f"layer{id(self):x}", self.backend)
+        self._kernel = None
+        if self.backend == MEGAKERNEL:
+            from .megakernel import MegaKernelLayer
+
+            self._kernel = MegaKernelLayer(spec, placement, self.rank, self.world_size, self.group, self.cpu_group, device, self.layer_id)
+
+    def __call__(self, hidden_states, topk_ids, topk_weights, w13, w2, out=None) -> torch.Tensor:
+        return self.forward(hidden_states, topk_ids, topk_weights, w13, w2, out=out)
+
+    def forward(self, hidden_states, topk_ids, topk_weights, w13, w2, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``out`` (optional, [T, H], input dtype, same device): written in full and returned."""
+        if hidden_states.shape[0] > self.spec.max_tokens_per_rank:
+            raise ValueError(
+                f"{hidden_states.shape[0]} tokens exceed max_tokens_per_rank={self.spec.max_tokens_per_rank} this layer was sized for"
+            )
+        if self._kernel is not None:
+            return self._kernel.forward(hidden_states, topk_ids, topk_weights, w13, w2, out)
+        check_inputs(hidden_states, topk_ids, topk_weights, w13, w2, self.placement, self.rank)
+        t0 = time.perf_counter()
+        if self.world_size == 1:
+            from .reference import _reference_impl
+
+            result = _reference_impl(hidden_states, topk_ids, topk_weights, w13, w2, self.placement, torch.float32, hidden_states.dtype)
+        else:
+            result = moe_reference_distributed(hidden_states, topk_ids, topk_weights, w13, w2, self.placement, self.group)
+        metrics.record_host_call(self.layer_id, time.perf_counter() - t0, hidden_states.shape[0])
+        if out is not None:
+            out.copy_(result)
+            return out
+        return result
+
+    def __repr__(self) -> str:
+        s = self.spec
+        return (
+            f"FlashMoE({self.layer_name or '?'}: backend={self.backend} ({self.reason}), EP {self.rank}/{self.world_size}, "
+            f"E={s.num_experts} k={s.top_k} H={s.hidden_size} I={s.intermediate_size} max_tokens={s.max_tokens_per_rank})"
+        )
+
+
+__all__ = ["FlashMoE", "MEGAKERNEL", "REFERENCE"]

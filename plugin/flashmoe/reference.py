@@ -1,0 +1,252 @@
+"""The function the megakernel computes, in PyTorch: the semantics every backend must match.
+
+One MoE layer call on one rank of an expert-parallel group::
+
+    out[t] = sum_j  topk_weights[t, j] * expert_{topk_ids[t, j]}(hidden_states[t])        (j with id >= 0)
+    expert_e(x) = w2[e] @ (silu(w13[e][:I] @ x) * (w13[e][I:] @ x))                         (SwiGLU)
+
+``w13`` is the engine's fused gate/up weight ``[E_local, 2I, H]`` with the gate rows first (vLLM
+loads ``gate_proj`` into shard 0 and ``up_proj`` into shard 1, and ``silu_and_mul`` takes
+``silu(x[:I]) * x[I:]``); ``w2`` is ``[E_local, H, I]``.
+
+Rounding follows the kernel exactly: both GEMMs accumulate in fp32; the SwiGLU activation and each
+expert's output are rounded to the activation dtype (the kernel stores them in bf16, the latter in
+the source rank's combine buffer); the weighted sum over ``j`` runs in fp32 in ascending ``j``
+order and is rounded once. :func:`moe_oracle_fp64` is the same function with no rounding at all.
+
+:func:`moe_reference_distributed` is a real expert-parallel implementation over ``torch.distributed``
+(gloo on CPU, NCCL on GPU): tokens go once to each rank that owns one of their experts, results come
+back per (token, j) and are summed at the source in the same order, so it equals the single-rank
+result up to GEMM blocking. The vLLM and SGLang adapters use it as the CPU backend.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .placement import ExpertPlacement
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def check_inputs(
+    hidden_states: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    placement: ExpertPlacement,
+    rank: int,
+) -> None:
+    """Validate one call's inputs; raise ValueError naming the offending argument."""
+    if hidden_states.dim() != 2:
+        raise ValueError(f"hidden_states must be [T, H], got shape {tuple(hidden_states.shape)}")
+    if hidden_states.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"hidden_states dtype {hidden_states.dtype} not supported (use one of {SUPPORTED_DTYPES})")
+    T, H = hidden_states.shape
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != T:
+        raise ValueError(f"topk_ids must be [T={T}, k], got {tuple(topk_ids.shape)}")
+    if topk_ids.dtype != torch.int32:
+        raise ValueError(f"topk_ids must be int32, got {topk_ids.dtype}")
+    if topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"topk_weights shape {tuple(topk_weights.shape)} != topk_ids shape {tuple(topk_ids.shape)}")
+    if topk_weights.dtype != torch.float32:
+        raise ValueError(f"topk_weights must be float32, got {topk_weights.dtype}")
+    if w13.dim() != 3 or w2.dim() != 3:
+        raise ValueError(f"w13 must be [E_local, 2I, H] and w2 [E_local, H, I], got {tuple(w13.shape)} and {tuple(w2.shape)}")
+    E_local, two_i, h13 = w13.shape
+    if h13 != H or two_i % 2:
+        raise ValueError(f"w13 shape {tuple(w13.shape)} does not fit hidden size {H} (expected [E_local, 2I, {H}])")
+    I = two_i // 2
+    if tuple(w2.shape) != (E_local, H, I):
+        raise ValueError(f"w2 shape {tuple(w2.shape)} != (E_local={E_local}, H={H}, I={I}) implied by w13")
+    if w13.dtype != hidden_states.dtype or w2.dtype != hidden_states.dtype:
+        raise ValueError(f"weights dtype ({w13.dtype}, {w2.dtype}) must equal hidden_states dtype {hidden_states.dtype}")
+    if E_local != placement.num_local(rank):
+        raise ValueError(f"rank {rank} holds {E_local} experts in w13 but the placement gives it {placement.num_local(rank)}")
+    if topk_ids.numel():
+        lo, hi = int(topk_ids.min()), int(topk_ids.max())
+        if lo < -1 or hi >= placement.num_experts:
+            raise ValueError(f"topk_ids values must be in [-1, {placement.num_experts}), got [{lo}, {hi}]")
+
+
+def swiglu_expert(x: torch.Tensor, w13_e: torch.Tensor, w2_e: torch.Tensor, round_dtype: torch.dtype | None) -> torch.Tensor:
+    """expert(x) for rows x, computed in the dtype of ``x``; optional rounding of the activation."""
+    I = w13_e.shape[0] // 2
+    gate_up = x @ w13_e.t()
+    act = F.silu(gate_up[:, :I]) * gate_up[:, I:]
+    if round_dtype is not None:
+        act = act.to(round_dtype).to(x.dtype)
+    return act @ w2_e.t()
+
+
+def _expert_outputs(
+    x: torch.Tensor, local_ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, compute_dtype: torch.dtype, round_dtype
+) -> torch.Tensor:
+    """y[n] = expert_{local_ids[n]}(x[n]) for a flat list of (row, local expert) pairs, grouped by expert."""
+    y = torch.empty(x.shape[0], w2.shape[1], dtype=compute_dtype, device=x.device)
+    if x.shape[0] == 0:
+        return y
+    order = torch.argsort(local_ids, stable=True)
+    sorted_ids = local_ids[order]
+    experts, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
+    start = 0
+    for e, c in zip(experts.tolist(), counts.tolist()):
+        rows = order[start : start + c]
+        start += c
+        out = swiglu_expert(x[rows].to(compute_dtype), w13[e].to(compute_dtype), w2[e].to(compute_dtype), round_dtype)
+        y[rows] = out
+    return y
+
+
+def _weighted_sum(y: torch.Tensor, valid: torch.Tensor, topk_weights: torch.Tensor, acc_dtype, out_dtype) -> torch.Tensor:
+    """sum_j w[t,j] * y[t,j] in ascending j, invalid slots contributing nothing. y: [T, k, H]."""
+    T, k, H = y.shape
+    out = torch.zeros(T, H, dtype=acc_dtype, device=y.device)
+    w = torch.where(valid, topk_weights, torch.zeros_like(topk_weights)).to(acc_dtype)
+    for j in range(k):  # fixed order, as the kernel's combine
+        out += w[:, j : j + 1] * y[:, j].to(acc_dtype)
+    return out.to(out_dtype)
+
+
+def moe_reference(
+    hidden_states: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    placement: ExpertPlacement | None = None,
+    rank: int = 0,
+) -> torch.Tensor:
+    """Single-process reference: ``w13``/``w2`` hold every expert (one rank owns all)."""
+    if placement is None:
+        placement = ExpertPlacement.contiguous(w13.shape[0], 1)
+    if placement.world_size != 1:
+        raise ValueError("moe_reference computes a whole layer on one rank; use moe_reference_distributed for EP groups")
+    check_inputs(hidden_states, topk_ids, topk_weights, w13, w2, placement, rank)
+    return _reference_impl(hidden_states, topk_ids, topk_weights, w13, w2, placement, torch.float32, hidden_states.dtype)
+
+
+def moe_oracle_fp64(
+    hidden_states: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    placement: ExpertPlacement | None = None,
+) -> torch.Tensor:
+    """The same function in float64 with no intermediate rounding (returns float64)."""
+    if placement is None:
+        placement = ExpertPlacement.contiguous(w13.shape[0], 1)
+    check_inputs(hidden_states, topk_ids, topk_weights, w13, w2, placement, 0)
+    return _reference_impl(hidden_states, topk_ids, topk_weights, w13, w2, placement, torch.float64, torch.float64, rounding=False)
+
+
+def _reference_impl(x, topk_ids, topk_weights, w13, w2, placement, compute_dtype, out_dtype, rounding=True):
+    T, k = topk_ids.shape
+    H = x.shape[1]
+    valid = topk_ids >= 0
+    flat_ids = topk_ids.reshape(-1).long()
+    flat_valid = valid.reshape(-1)
+    pairs = torch.nonzero(flat_valid).flatten()
+    local = placement.expert_local.to(x.device)[flat_ids[pairs]].long()
+    rows = pairs // k
+    round_dtype = x.dtype if rounding and compute_dtype != x.dtype else None
+    y_pairs = _expert_outputs(x[rows], local, w13, w2, compute_dtype, round_dtype)
+    if round_dtype is not None:
+        y_pairs = y_pairs.to(round_dtype).to(compute_dtype)
+    y = torch.zeros(T * k, H, dtype=compute_dtype, device=x.device)
+    y[pairs] = y_pairs
+    return _weighted_sum(y.view(T, k, H), valid, topk_weights, compute_dtype, out_dtype)
+
+
+def moe_reference_distributed(
+    hidden_states: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    placement: ExpertPlacement,
+    group=None,
+) -> torch.Tensor:
+    """Expert-parallel reference over ``torch.distributed``: this rank's tokens in, this rank's output out.
+
+    Every rank of ``group`` must call it (collectives), each with its own tokens (T may be 0 or differ
+    per rank) and its own experts' weights. Payload-efficient like the kernel: a token row travels once
+    to each rank owning one of its experts; results travel back once per (token, j).
+    """
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    if placement.world_size != world:
+        raise ValueError(f"placement is for {placement.world_size} ranks but the group has {world}")
+    check_inputs(hidden_states, topk_ids, topk_weights, w13, w2, placement, rank)
+    x = hidden_states
+    dev = x.device
+    T, k = topk_ids.shape
+    H = x.shape[1]
+    expert_rank = placement.expert_rank.to(dev)
+    expert_local = placement.expert_local.to(dev)
+
+    valid = topk_ids >= 0
+    safe_ids = torch.where(valid, topk_ids, torch.zeros_like(topk_ids)).long()
+    dest = torch.where(valid, expert_rank[safe_ids].long(), torch.full_like(safe_ids, -1))  # [T, k]
+
+    # Token rows per destination (deduplicated), grouped by destination, ascending token order.
+    hit_t, hit_j = torch.nonzero(valid, as_tuple=True)  # token-major, ascending j
+    hit_dest = dest[hit_t, hit_j]
+    onehot = torch.zeros(T, world, dtype=torch.bool, device=dev)
+    onehot[hit_t, hit_dest] = True
+    send_dest, send_tok = torch.nonzero(onehot.t(), as_tuple=True)  # sorted by dest then token
+    row_counts = torch.bincount(send_dest, minlength=world)
+    # Per sent row: ids masked to the destination's experts (as local ids, -1 elsewhere).
+    send_ids = torch.where(dest[send_tok] == send_dest[:, None], expert_local[safe_ids[send_tok]], torch.full_like(safe_ids[send_tok], -1).int())
+    send_ids = send_ids.to(torch.int32)
+
+    recv_row_counts = _exchange_counts(row_counts, group)
+    recv_x = _all_to_all(x[send_tok], row_counts, recv_row_counts, group)
+    recv_ids = _all_to_all(send_ids, row_counts, recv_row_counts, group)
+
+    # Compute every (received row, j) hit, in row-major order.
+    r_valid = recv_ids >= 0
+    r_pairs = torch.nonzero(r_valid.reshape(-1)).flatten()
+    r_rows = r_pairs // k
+    r_local = recv_ids.reshape(-1)[r_pairs].long()
+    round_dtype = x.dtype if x.dtype != torch.float32 else None
+    y = _expert_outputs(recv_x[r_rows], r_local, w13, w2, torch.float32, round_dtype).to(x.dtype)
+
+    # Send results back: per source rank, its rows' hits in the order it sent them.
+    src_of_row = torch.repeat_interleave(torch.arange(world, device=dev), recv_row_counts)
+    back_counts = torch.bincount(src_of_row[r_rows], minlength=world)
+    expect_counts = torch.bincount(hit_dest, minlength=world)
+    y_back = _all_to_all(y, back_counts, expect_counts, group)
+
+    # Hits came back grouped by destination, within it by (token, j): scatter to [T, k].
+    order = torch.argsort(hit_dest, stable=True)
+    y_full = torch.zeros(T * k, H, dtype=torch.float32, device=dev)
+    y_full[(hit_t * k + hit_j)[order]] = y_back.float()
+    return _weighted_sum(y_full.view(T, k, H), valid, topk_weights, torch.float32, x.dtype)
+
+
+def _exchange_counts(counts: torch.Tensor, group) -> torch.Tensor:
+    import torch.distributed as dist
+
+    out = torch.empty_like(counts)
+    dist.all_to_all_single(out, counts.contiguous(), group=group)
+    return out
+
+
+def _all_to_all(t: torch.Tensor, send_counts: torch.Tensor, recv_counts: torch.Tensor, group) -> torch.Tensor:
+    import torch.distributed as dist
+
+    out = torch.empty((int(recv_counts.sum()),) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+    dist.all_to_all_single(
+        out,
+        t.contiguous(),
+        output_split_sizes=recv_counts.tolist(),
+        input_split_sizes=send_counts.tolist(),
+        group=group,
+    )
+    return out
