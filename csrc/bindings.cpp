@@ -1,0 +1,134 @@
+// torch.ops.flashmoe.* (torch.ops.flashmoe_stress.* for the stress-test build): thin wrappers over api.h.
+// The CUDA stream comes from Python (torch.cuda.current_stream().cuda_stream) so this file needs no
+// CUDA-specific torch headers and compiles against a CPU-only torch (CI's compile check).
+#include <cuda_runtime.h>
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <vector>
+
+#include "flashmoe/api.h"
+
+#ifndef FLASHMOE_OPS
+#define FLASHMOE_OPS flashmoe
+#endif
+
+namespace {
+
+using flashmoe::Capacity;
+
+Capacity to_capacity(const std::vector<int64_t>& v) {
+  TORCH_CHECK(v.size() == 7, "capacity must be [max_tokens, hidden, inter, top_k, world, max_local, num_blocks]");
+  return Capacity{v[0], v[1], v[2], v[3], v[4], v[5], v[6]};
+}
+
+std::vector<int64_t> capacity_bytes(std::vector<int64_t> cap) {
+  const Capacity c = to_capacity(cap);
+  return {flashmoe::symmetric_bytes(c), flashmoe::workspace_bytes(c)};
+}
+
+at::Tensor uniqueid() {
+  auto out = at::empty({flashmoe::uniqueid_bytes()}, at::TensorOptions().dtype(at::kByte));
+  flashmoe::get_uniqueid(out.data_ptr());
+  return out;
+}
+
+void nvshmem_setup(const at::Tensor& uid, int64_t rank, int64_t world) {
+  TORCH_CHECK(uid.device().is_cpu() && uid.scalar_type() == at::kByte && uid.numel() == flashmoe::uniqueid_bytes(),
+              "unique id must be a CPU uint8 tensor of ", flashmoe::uniqueid_bytes(), " bytes");
+  flashmoe::nvshmem_setup(uid.contiguous().data_ptr(), static_cast<int>(rank), static_cast<int>(world));
+}
+
+int64_t nvshmem_status() { return flashmoe::nvshmem_status(); }
+int64_t uniqueid_bytes() { return flashmoe::uniqueid_bytes(); }
+int64_t symmetric_alloc(int64_t bytes) { return reinterpret_cast<int64_t>(flashmoe::symmetric_alloc(bytes)); }
+void symmetric_free(int64_t ptr) { flashmoe::symmetric_free(reinterpret_cast<void*>(ptr)); }
+void barrier_all(int64_t stream) { flashmoe::barrier_all_on_stream(reinterpret_cast<cudaStream_t>(stream)); }
+int64_t max_resident_blocks(int64_t device) { return flashmoe::max_resident_blocks(static_cast<int>(device)); }
+std::string build_info() { return flashmoe::build_info(); }
+
+void check_cuda(const at::Tensor& t, const char* name, at::ScalarType dtype, const at::Device& dev) {
+  TORCH_CHECK(t.device() == dev, name, " must be on ", dev, ", got ", t.device());
+  TORCH_CHECK(t.scalar_type() == dtype, name, " must be ", dtype, ", got ", t.scalar_type());
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+void moe_forward(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights, const at::Tensor& w13,
+                 const at::Tensor& w2, const at::Tensor& expert_rank, const at::Tensor& expert_local, at::Tensor& out,
+                 const at::Tensor& workspace, const at::Tensor& status, const at::Tensor& metrics_ring,
+                 const at::Tensor& metrics_totals, int64_t sym, std::vector<int64_t> capacity,
+                 std::vector<int64_t> runtime, int64_t stream) {
+  const auto dev = x.device();
+  TORCH_CHECK(dev.is_cuda(), "x must be a CUDA tensor");
+  check_cuda(x, "hidden_states", at::kBFloat16, dev);
+  check_cuda(topk_ids, "topk_ids", at::kInt, dev);
+  check_cuda(topk_weights, "topk_weights", at::kFloat, dev);
+  check_cuda(w13, "w13", at::kBFloat16, dev);
+  check_cuda(w2, "w2", at::kBFloat16, dev);
+  check_cuda(expert_rank, "expert_rank", at::kInt, dev);
+  check_cuda(expert_local, "expert_local", at::kInt, dev);
+  check_cuda(out, "out", at::kBFloat16, dev);
+  check_cuda(workspace, "workspace", at::kByte, dev);
+  check_cuda(metrics_ring, "metrics_ring", at::kLong, dev);
+  check_cuda(metrics_totals, "metrics_totals", at::kLong, dev);
+  TORCH_CHECK(status.is_pinned() && status.scalar_type() == at::kLong && status.numel() >= 8,
+              "status must be a pinned int64 host tensor of 8+ elements");
+  TORCH_CHECK(x.dim() == 2 && out.sizes() == x.sizes(), "out must have the shape of hidden_states");
+  TORCH_CHECK(w13.dim() == 3 && w2.dim() == 3, "w13 and w2 must be 3-D");
+  TORCH_CHECK(runtime.size() == 8, "runtime must be [rank, world, num_experts, force_put, layer_id, metrics, "
+                                   "num_blocks, timeout_ns]");
+  const Capacity cap = to_capacity(capacity);
+  TORCH_CHECK(workspace.numel() >= flashmoe::workspace_bytes(cap), "workspace too small for the capacity");
+
+  flashmoe::LaunchArgs a{};
+  a.num_tokens = static_cast<int>(x.size(0));
+  a.hidden = static_cast<int>(x.size(1));
+  a.inter = static_cast<int>(w2.size(2));
+  a.top_k = static_cast<int>(topk_ids.size(1));
+  a.num_local = static_cast<int>(w13.size(0));
+  a.rank = static_cast<int>(runtime[0]);
+  a.world = static_cast<int>(runtime[1]);
+  a.num_experts = static_cast<int>(runtime[2]);
+  a.force_put = static_cast<int>(runtime[3]);
+  a.layer_id = static_cast<int>(runtime[4]);
+  a.metrics = static_cast<int>(runtime[5]);
+  a.num_blocks = static_cast<int>(runtime[6]);
+  a.timeout_ns = static_cast<uint64_t>(runtime[7]);
+  a.x = x.data_ptr();
+  a.topk_ids = topk_ids.data_ptr();
+  a.topk_weights = topk_weights.data_ptr();
+  a.w13 = w13.data_ptr();
+  a.w2 = w2.data_ptr();
+  a.expert_rank = expert_rank.data_ptr();
+  a.expert_local = expert_local.data_ptr();
+  a.out = out.data_ptr();
+  a.sym = reinterpret_cast<void*>(sym);
+  a.workspace = workspace.data_ptr();
+  a.status = status.data_ptr();
+  a.metrics_ring = metrics_ring.data_ptr();
+  a.metrics_totals = metrics_totals.data_ptr();
+  int current = -1;
+  cudaGetDevice(&current);
+  TORCH_CHECK(current == dev.index(), "current CUDA device ", current, " is not the tensors' device ", dev);
+  flashmoe::launch(a, cap, reinterpret_cast<cudaStream_t>(stream));
+}
+
+}  // namespace
+
+TORCH_LIBRARY(FLASHMOE_OPS, m) {
+  m.def("capacity_bytes(int[] capacity) -> int[]", &capacity_bytes);
+  m.def("uniqueid() -> Tensor", &uniqueid);
+  m.def("nvshmem_setup(Tensor uniqueid, int rank, int world) -> ()", &nvshmem_setup);
+  m.def("nvshmem_status() -> int", &nvshmem_status);
+  m.def("uniqueid_bytes() -> int", &uniqueid_bytes);
+  m.def("symmetric_alloc(int bytes) -> int", &symmetric_alloc);
+  m.def("symmetric_free(int ptr) -> ()", &symmetric_free);
+  m.def("barrier_all(int stream) -> ()", &barrier_all);
+  m.def("max_resident_blocks(int device) -> int", &max_resident_blocks);
+  m.def("build_info() -> str", &build_info);
+  m.def(
+      "moe_forward(Tensor hidden_states, Tensor topk_ids, Tensor topk_weights, Tensor w13, Tensor w2, "
+      "Tensor expert_rank, Tensor expert_local, Tensor(a!) out, Tensor workspace, Tensor status, "
+      "Tensor metrics_ring, Tensor metrics_totals, int sym, int[] capacity, int[] runtime, int stream) -> ()",
+      &moe_forward);
+}

@@ -1,0 +1,41 @@
+// Host API of the kernel library (compiled by nvcc), called by the torch bindings (compiled by the host
+// compiler against torch headers). Plain types only, so the two halves build independently.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "layout.cuh"
+
+namespace flashmoe {
+
+struct LaunchArgs {
+  int num_tokens, hidden, inter, top_k, num_experts, num_local, rank, world;
+  int force_put, layer_id, metrics, num_blocks;
+  uint64_t timeout_ns;
+  const void *x, *topk_ids, *topk_weights, *w13, *w2, *expert_rank, *expert_local;
+  void* out;
+  void* sym;        // this rank's symmetric region (nvshmem_malloc)
+  void* workspace;  // local, zero-initialised once
+  void* status;     // host-mapped Status
+  void* metrics_ring;
+  void* metrics_totals;
+};
+
+int64_t symmetric_bytes(const Capacity& c);
+int64_t workspace_bytes(const Capacity& c);
+int uniqueid_bytes();
+void get_uniqueid(void* out);
+// Initialise NVSHMEM over a unique id, or attach to an NVSHMEM another library initialised. Throws on error.
+void nvshmem_setup(const void* uniqueid, int rank, int world);
+int nvshmem_status();
+void* symmetric_alloc(int64_t bytes);
+void symmetric_free(void* p);
+void barrier_all_on_stream(cudaStream_t stream);
+int max_resident_blocks(int device);  // co-resident blocks of the kernel on this device
+void launch(const LaunchArgs& args, const Capacity& cap, cudaStream_t stream);
+std::string build_info();
+
+}  // namespace flashmoe

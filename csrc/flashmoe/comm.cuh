@@ -1,0 +1,110 @@
+// Communication primitives: peer addressing, bounded waits, signals, the grid barrier.
+//
+// Ordering argument (why no reset is ever needed): every signal word carries (epoch << 32) | count, where
+// epoch is this process's call counter (all ranks make the same sequence of calls). A receiver waits for an
+// exact epoch match. A sender can only be one call ahead of a receiver's wait: to start call e+1 it must have
+// finished call e, whose combine phase needed every receiver's combine signal for e, sent after that receiver
+// consumed the dispatch of e. So the word holds e-1 or e while the receiver waits for e, and the epoch never
+// aliases (2^32 calls between equal values). Data buffers are reused under the same argument: a source writes
+// call e+1's rows only after the destination has finished reading call e's.
+#pragma once
+
+#include <nvshmem.h>
+#include <nvshmemx.h>
+
+#include "common.cuh"
+#include "params.cuh"
+
+namespace flashmoe {
+
+struct PeerTable {
+  char* base[kMaxWorld];  // peer's symmetric heap mapped into this GPU, or nullptr (use puts)
+};
+
+__device__ __forceinline__ bool use_p2p(const PeerTable& peers, int r) { return peers.base[r] != nullptr; }
+
+__device__ __forceinline__ bool aborted(const Params& p) {
+  return ld_volatile(ws_ptr<int>(p, p.ws_off.abort_flag)) != 0;
+}
+
+// First block to give up records why, host-visible, then raises the abort flag every waiter polls.
+__device__ void record_timeout(const Params& p, int phase, int peer, int64_t detail, uint32_t epoch, uint64_t observed) {
+  int* flag = ws_ptr<int>(p, p.ws_off.abort_flag);
+  if (atomicCAS(flag, 0, 1) == 0) {
+    volatile Status* s = p.status;
+    s->rank = p.rank;
+    s->peer = peer;
+    s->phase = phase;
+    s->detail = detail;
+    s->epoch = epoch;
+    s->observed = static_cast<int64_t>(observed);
+    s->block = blockIdx.x;
+    __threadfence_system();
+    s->code = 1;
+    __threadfence_system();
+  }
+}
+
+// Spin until (*word >> 32) == epoch; bounded by p.timeout_ns. Returns the word, or 0 after a timeout/abort.
+__device__ uint64_t wait_signal(const Params& p, const uint64_t* word, uint32_t epoch, int phase, int peer) {
+  stress_delay(peer + 17 * phase);
+  const uint64_t start = globaltimer_ns();
+  uint32_t spins = 0;
+  while (true) {
+    const uint64_t v = ld_acquire_sys(word);
+    if (static_cast<uint32_t>(v >> 32) == epoch) return v;
+    if ((++spins & 63) == 0) {
+      if (aborted(p)) return 0;
+      if (globaltimer_ns() - start > p.timeout_ns) {
+        record_timeout(p, phase, peer, -1, epoch, v);
+        return 0;
+      }
+    }
+  }
+}
+
+// Set word on `pe` (a remote store over NVLink, or an NVSHMEM signal for proxied peers). Callers make sure
+// the data it announces is complete first (fence for stores, quiet for puts).
+__device__ __forceinline__ void send_signal(const Params& p, const PeerTable& peers, uint64_t* local_word, int pe,
+                                            uint64_t value) {
+  stress_delay(pe);
+  if (use_p2p(peers, pe)) {
+    const int64_t off = reinterpret_cast<char*>(local_word) - p.sym;
+    st_release_sys(reinterpret_cast<uint64_t*>(peers.base[pe] + off), value);
+  } else {
+    nvshmemx_signal_op(local_word, value, NVSHMEM_SIGNAL_SET, pe);
+  }
+}
+
+// Reset-free grid barrier for co-resident blocks (cooperative launch guarantees residency): each block adds 1,
+// block 0 adds 2^31 - (n - 1), so the high bit flips exactly when all n have arrived; the low bits return to 0.
+__device__ void grid_barrier(const Params& p, int index, uint32_t epoch) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    uint32_t* word = ws_ptr<uint32_t>(p, p.ws_off.barrier);
+    const uint32_t add = blockIdx.x == 0 ? (0x80000000u - (gridDim.x - 1)) : 1u;
+    __threadfence();
+    const uint32_t old = atomicAdd(word, add);
+    const uint64_t start = globaltimer_ns();
+    uint32_t spins = 0;
+    while (((old ^ ld_acquire_gpu(word)) & 0x80000000u) == 0) {
+      if ((++spins & 63) == 0 && globaltimer_ns() - start > p.timeout_ns) {
+        record_timeout(p, kPhaseGridBarrier, -1, index, epoch, ld_acquire_gpu(word));
+        break;  // a block that never arrives is a bug, not a peer failure: report and run on
+      }
+    }
+    __threadfence();
+  }
+  __syncthreads();
+}
+
+__device__ void load_peer_table(const Params& p, PeerTable& peers) {
+  // Shared-memory table filled by the first `world` threads.
+  if (threadIdx.x < p.world) {
+    char* remote = static_cast<char*>(nvshmem_ptr(p.sym, threadIdx.x));
+    peers.base[threadIdx.x] = p.force_put ? nullptr : remote;
+  }
+  __syncthreads();
+}
+
+}  // namespace flashmoe

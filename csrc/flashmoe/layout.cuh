@@ -1,0 +1,98 @@
+// Where everything lives: the symmetric heap (same offsets on every rank) and the local workspace.
+//
+// One layout per process, sized once for the largest layer ("capacity"); every layer and call reuses it.
+// Sizes (bytes, T = max tokens per rank, W = EP size, k = top-k, E_l = max local experts, B = blocks):
+//   symmetric  recv_tokens   W*T*H*2          a source's rows land at [src][slot]
+//              recv_meta     W*T*(1+k)*4      per received row: source token id, local expert per top-k slot
+//              combine_rows  T*k*H*2          expert outputs for this rank's (token, j), written by the owners
+//              signals       2*W*8            dispatch / combine, (epoch << 32) | count
+//              send_tokens   T*H*2            put path only: x staged in registered memory
+//              send_meta     W*T*(1+k)*4      put path only
+//              combine_stage B*64*128*2       put path only: one GEMM1 output tile per block
+//   workspace  expert_rows   E_l*W*T*4        per local expert: received (row, j) entries
+//              act           W*T*min(k,E_l)*I*2   SwiGLU activations, grouped by expert
+//              counters      small
+#pragma once
+
+#include <cstdint>
+
+#ifndef __CUDACC__
+#include <cuda_runtime.h>  // __host__ / __device__ for the host compiler
+#endif
+
+namespace flashmoe {
+
+struct Capacity {
+  int64_t max_tokens;   // per rank per call
+  int64_t hidden;       // largest H
+  int64_t inter;        // largest I
+  int64_t top_k;        // largest k
+  int64_t world;        // EP size
+  int64_t max_local;    // most experts on one rank
+  int64_t num_blocks;   // persistent grid size
+};
+
+constexpr int64_t kAlign = 256;
+__host__ __device__ constexpr int64_t align_up(int64_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
+
+struct SymLayout {
+  int64_t recv_tokens, recv_meta, combine_rows, dispatch_signal, combine_signal;
+  int64_t send_tokens, send_meta, combine_stage;
+  int64_t total;
+};
+
+struct WorkspaceLayout {
+  int64_t expert_rows, act;
+  int64_t rank_send_count;   // [W] u32   rows this rank sends to each destination (atomic slots)
+  int64_t expert_count;      // [E_l] u32 rows received per local expert
+  int64_t remote_entries;    // u32       received (row, j) entries from other ranks (metrics)
+  int64_t barrier;           // u32       grid barrier word
+  int64_t epoch;             // u32       calls completed by this process
+  int64_t abort_flag;        // u32       set when any block gave up waiting
+  int64_t total;
+};
+
+constexpr int kTileRowsMax = 64;   // GEMM block_M
+constexpr int kTileColsOut = 128;  // GEMM1 block_N
+
+__host__ __device__ inline int64_t meta_stride(int64_t top_k) { return 1 + top_k; }
+
+__host__ __device__ inline SymLayout sym_layout(const Capacity& c) {
+  SymLayout l{};
+  int64_t off = 0;
+  auto take = [&](int64_t bytes) { int64_t o = off; off += align_up(bytes); return o; };
+  l.recv_tokens = take(c.world * c.max_tokens * c.hidden * 2);
+  l.recv_meta = take(c.world * c.max_tokens * meta_stride(c.top_k) * 4);
+  l.combine_rows = take(c.max_tokens * c.top_k * c.hidden * 2);
+  l.dispatch_signal = take(c.world * 8);
+  l.combine_signal = take(c.world * 8);
+  l.send_tokens = take(c.max_tokens * c.hidden * 2);
+  l.send_meta = take(c.world * c.max_tokens * meta_stride(c.top_k) * 4);
+  l.combine_stage = take(c.num_blocks * kTileRowsMax * kTileColsOut * 2);
+  l.total = off;
+  return l;
+}
+
+__host__ __device__ inline int64_t max_received_entries(const Capacity& c) {
+  const int64_t per_row = c.top_k < c.max_local ? c.top_k : c.max_local;
+  return c.world * c.max_tokens * per_row;
+}
+
+__host__ __device__ inline WorkspaceLayout workspace_layout(const Capacity& c) {
+  WorkspaceLayout l{};
+  int64_t off = 0;
+  auto take = [&](int64_t bytes) { int64_t o = off; off += align_up(bytes); return o; };
+  l.expert_rows = take(c.max_local * c.world * c.max_tokens * 4);
+  // Each expert's rows are padded to a whole GEMM tile so tiles never straddle experts.
+  l.act = take((max_received_entries(c) + c.max_local * kTileRowsMax) * c.inter * 2);
+  l.rank_send_count = take(c.world * 4);
+  l.expert_count = take(c.max_local * 4);
+  l.remote_entries = take(4);
+  l.barrier = take(4);
+  l.epoch = take(4);
+  l.abort_flag = take(4);
+  l.total = off;
+  return l;
+}
+
+}  // namespace flashmoe

@@ -1,0 +1,57 @@
+// Everything one launch needs, passed by value as a __grid_constant__ parameter.
+#pragma once
+
+#include <cstdint>
+
+#include "common.cuh"
+#include "layout.cuh"
+
+namespace flashmoe {
+
+struct Params {
+  // Shapes of this call.
+  int num_tokens;    // T on this rank (0..capacity.max_tokens)
+  int hidden;        // H
+  int inter;         // I
+  int top_k;         // k
+  int num_experts;   // E (global)
+  int num_local;     // experts on this rank
+  int rank, world;
+  int max_tokens;    // capacity: rows per source in the receive buffers
+  int force_put;     // 1: put-with-signal to every peer, even NVLink ones
+  int layer_id;
+  int metrics;       // 1: write the metrics ring
+  uint64_t timeout_ns;
+
+  // Inputs and output.
+  const bf16* x;               // [T, H]
+  const int* topk_ids;         // [T, k], -1 = skip
+  const float* topk_weights;   // [T, k]
+  const bf16* w13;             // [E_l, 2I, H], gate rows then up rows
+  const bf16* w2;              // [E_l, H, I]
+  const int* expert_rank;      // [E]
+  const int* expert_local;     // [E]
+  bf16* out;                   // [T, H]
+
+  // Symmetric heap (local addresses) and local workspace.
+  char* sym;
+  SymLayout sym_off;
+  char* ws;
+  WorkspaceLayout ws_off;
+  int64_t expert_rows_stride;  // entries per local expert list (W * max_tokens)
+
+  Status* status;              // host-mapped
+  int64_t* metrics_ring;       // [kRingSlots, 16]
+  int64_t* metrics_totals;     // [kMaxLayers, 4]
+};
+
+template <typename T>
+__device__ __forceinline__ T* sym_ptr(const Params& p, int64_t off) { return reinterpret_cast<T*>(p.sym + off); }
+template <typename T>
+__device__ __forceinline__ T* ws_ptr(const Params& p, int64_t off) { return reinterpret_cast<T*>(p.ws + off); }
+
+constexpr int kRingSlots = 4096;
+constexpr int kRingFields = 16;
+constexpr int kMaxLayers = 1024;
+
+}  // namespace flashmoe

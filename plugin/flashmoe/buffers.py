@@ -1,0 +1,152 @@
+"""Process-wide NVSHMEM state and the megakernel's buffers: initialised once, allocated once, shared by
+every layer and call for the life of the process.
+
+NVSHMEM is bootstrapped with a unique id that EP rank 0 creates and broadcasts over the engine's process
+group (no MPI, no launcher integration). If another library already initialised NVSHMEM in this process
+(``nvshmemx_init_status``), flashmoe attaches to it and checks that its PE numbering is the EP group's.
+
+Capacity (what the buffers are sized for) is the maximum over every layer announced so far; a larger layer
+arriving later triggers one collective reallocation (before any CUDA graph is captured, since engines build
+all layers first). The sizes are in ``csrc/flashmoe/layout.cuh``; ``SymmetricBuffers.describe()`` reports them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from .config import env_flag, env_int
+from .errors import FlashMoEError
+
+logger = logging.getLogger("flashmoe")
+
+STATUS_WORDS = 8
+RING_SLOTS, RING_FIELDS, MAX_LAYERS = 4096, 16, 1024
+
+
+@dataclass(frozen=True)
+class Capacity:
+    max_tokens: int
+    hidden: int
+    inter: int
+    top_k: int
+    world: int
+    max_local: int
+    num_blocks: int
+
+    def as_list(self) -> list[int]:
+        return [self.max_tokens, self.hidden, self.inter, self.top_k, self.world, self.max_local, self.num_blocks]
+
+    def covers(self, other: Capacity) -> bool:
+        return self.world == other.world and self.num_blocks >= other.num_blocks and all(
+            a >= b for a, b in zip(self.as_list()[:4] + [self.max_local], other.as_list()[:4] + [other.max_local])
+        )
+
+    def union(self, other: Capacity) -> Capacity:
+        if self.world != other.world:
+            raise FlashMoEError(f"one process serves one EP group: world {self.world} vs {other.world}")
+        return Capacity(*(max(a, b) for a, b in zip(self.as_list(), other.as_list())))
+
+
+class SymmetricBuffers:
+    def __init__(self, ops, capacity: Capacity, rank: int, device: torch.device):
+        self.ops, self.capacity, self.rank, self.device = ops, capacity, rank, device
+        self.sym_bytes, self.workspace_bytes = ops.capacity_bytes(capacity.as_list())
+        self.sym_ptr = ops.symmetric_alloc(self.sym_bytes)  # collective, zeroed: signals start at epoch 0
+        with torch.cuda.device(device):
+            # Counters start at 0 and are reset by the kernel itself after each call: zeroed once, never again.
+            self.workspace = torch.zeros(self.workspace_bytes, dtype=torch.uint8, device=device)
+            self.metrics_ring = torch.zeros(RING_SLOTS, RING_FIELDS, dtype=torch.int64, device=device)
+            self.metrics_totals = torch.zeros(MAX_LAYERS, 4, dtype=torch.int64, device=device)
+        self.status = torch.zeros(STATUS_WORDS, dtype=torch.int64).pin_memory()
+        self.poisoned: str | None = None
+        ops.barrier_all(torch.cuda.current_stream(device).cuda_stream)
+        torch.cuda.synchronize(device)
+
+    def release(self) -> None:
+        torch.cuda.synchronize(self.device)
+        self.ops.symmetric_free(self.sym_ptr)  # collective
+        self.sym_ptr = 0
+
+    def describe(self) -> str:
+        c = self.capacity
+        return (
+            f"flashmoe buffers: symmetric {self.sym_bytes / 2**20:.1f} MiB + local {self.workspace_bytes / 2**20:.1f} MiB "
+            f"(max_tokens/rank {c.max_tokens}, H {c.hidden}, I {c.inter}, k {c.top_k}, EP {c.world}, "
+            f"experts/rank {c.max_local}, blocks {c.num_blocks})"
+        )
+
+
+_state: dict = {"buffers": None, "nvshmem": False, "attached": set()}
+
+
+def _broadcast_uniqueid(ops, group, rank: int, world: int) -> torch.Tensor:
+    import torch.distributed as dist
+
+    uid = ops.uniqueid() if rank == 0 else torch.empty(0, dtype=torch.uint8)
+    if world == 1:
+        return uid
+    holder = [uid.numpy().tobytes() if rank == 0 else None]
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    dist.broadcast_object_list(holder, src=src, group=group)
+    return torch.frombuffer(bytearray(holder[0]), dtype=torch.uint8).clone()
+
+
+def ensure(ops, capacity: Capacity, rank: int, world: int, group, device: torch.device) -> SymmetricBuffers:
+    """The process's buffers, (re)allocated to cover ``capacity``. Collective over the EP group."""
+    if not _state["nvshmem"]:
+        # NVLink multicast can take shared hosts down and the kernel does not use it.
+        os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+        need = ops.capacity_bytes(capacity.as_list())[0]
+        os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(int(need * 1.25) + (256 << 20)))
+        torch.cuda.set_device(device)
+        uid = _broadcast_uniqueid(ops, group, rank, world)
+        ops.nvshmem_setup(uid, rank, world)
+        _state["nvshmem"] = True
+        _state["attached"].add(id(ops))
+        logger.info("flashmoe: NVSHMEM ready, PE %d of %d on %s", rank, world, device)
+    elif id(ops) not in _state["attached"]:
+        # Another kernel variant (its own copy of NVSHMEM's device state) joins the running library.
+        ops.nvshmem_setup(torch.zeros(ops.uniqueid_bytes(), dtype=torch.uint8), rank, world)
+        _state["attached"].add(id(ops))
+    current: SymmetricBuffers | None = _state["buffers"]
+    if current is not None and current.poisoned:
+        raise FlashMoEError(f"flashmoe state is unusable after an earlier failure: {current.poisoned}")
+    if current is not None and current.capacity.covers(capacity):
+        return current
+    if current is not None:
+        capacity = current.capacity.union(capacity)
+        logger.warning("flashmoe: growing buffers (collective reallocation) to %s", capacity)
+        current.release()
+    buffers = SymmetricBuffers(ops, capacity, rank, device)
+    _state["buffers"] = buffers
+    logger.info("%s", buffers.describe())
+    _attach_metrics(buffers)
+    return buffers
+
+
+def current() -> SymmetricBuffers | None:
+    return _state["buffers"]
+
+
+def default_num_blocks(ops, device: torch.device) -> int:
+    resident = ops.max_resident_blocks(device.index)
+    budget = env_int("FLASHMOE_NUM_BLOCKS")
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    blocks = min(budget if budget > 0 else sms, resident)
+    if blocks < 1:
+        raise FlashMoEError("the megakernel cannot be resident on this GPU (occupancy query returned 0 blocks)")
+    return blocks
+
+
+def _attach_metrics(buffers: SymmetricBuffers) -> None:
+    if not env_flag("FLASHMOE_METRICS"):
+        return
+    from . import metrics
+
+    attach = getattr(metrics, "attach_device_source", None)
+    if attach is not None:
+        attach(buffers.metrics_ring, buffers.metrics_totals)

@@ -1,0 +1,129 @@
+"""The megakernel behind :class:`flashmoe.FlashMoE` on Hopper GPUs.
+
+One launch per call (``torch.ops.flashmoe.moe_forward``), graph-capturable: no host synchronisation, no
+allocation when ``out`` is given, no memset between calls. Failures inside the kernel (a peer that never
+arrives) are recorded in a host-mapped status word; :func:`synchronize_and_check` and every later call raise
+:class:`FlashMoETimeoutError` with the rank, peer and phase.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from . import buffers as _buffers
+from . import jit
+from .buffers import Capacity
+from .config import env_flag, env_int
+from .errors import FlashMoEError, FlashMoETimeoutError
+from .placement import ExpertPlacement
+from .spec import MoELayerSpec
+
+logger = logging.getLogger("flashmoe")
+
+# Keep in sync with csrc/flashmoe/common.cuh (Phase).
+PHASES = {1: "dispatch signal", 2: "combine signal", 3: "grid barrier (blocks of this kernel)"}
+
+
+def _capacity(spec: MoELayerSpec, world: int, max_local: int, num_blocks: int) -> Capacity:
+    max_tokens = env_int("FLASHMOE_MAX_TOKENS") or spec.max_tokens_per_rank
+    return Capacity(max_tokens, spec.hidden_size, spec.intermediate_size, spec.top_k, world, max_local, num_blocks)
+
+
+def _ops():
+    return jit.load()
+
+
+def reserve(max_tokens_per_rank: int, hidden: int, intermediate: int, top_k: int, num_experts: int, group=None,
+            device: torch.device | None = None) -> _buffers.SymmetricBuffers:
+    """Allocate the process's buffers for the largest layer up front (collective over ``group``)."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    rank = dist.get_rank(group) if dist.is_initialized() else 0
+    device = device or torch.device("cuda", torch.cuda.current_device())
+    ops = _ops()
+    spec = MoELayerSpec(num_experts, top_k, hidden, intermediate, max_tokens_per_rank)
+    max_local = -(-num_experts // world)
+    return _buffers.ensure(ops, _capacity(spec, world, max_local, _buffers.default_num_blocks(ops, device)), rank, world, group, device)
+
+
+class MegaKernelLayer:
+    def __init__(self, spec: MoELayerSpec, placement: ExpertPlacement, rank: int, world: int, group, cpu_group,
+                 device: torch.device, layer_id: int):
+        self.spec, self.rank, self.world, self.device, self.layer_id = spec, rank, world, device, layer_id
+        self.ops = _ops()  # the variant (normal / stress) is fixed here, from the environment
+        self.num_blocks = _buffers.default_num_blocks(self.ops, device)
+        cap = _capacity(spec, world, placement.max_local, self.num_blocks)
+        self.buffers = _buffers.ensure(self.ops, cap, rank, world, cpu_group if cpu_group is not None else group, device)
+        self.num_local = placement.num_local(rank)
+        self.expert_rank = placement.expert_rank.to(device)
+        self.expert_local = placement.expert_local.to(device)
+        self.force_put = env_flag("FLASHMOE_FORCE_PUT")
+        self.timeout_ns = env_int("FLASHMOE_TIMEOUT_MS") * 1_000_000
+        self.metrics = env_flag("FLASHMOE_METRICS")
+        if layer_id >= _buffers.MAX_LAYERS:
+            raise FlashMoEError(f"at most {_buffers.MAX_LAYERS} flashmoe layers per process")
+
+    def forward(self, x, topk_ids, topk_weights, w13, w2, out=None) -> torch.Tensor:
+        check_status(self.buffers)
+        T, H = x.shape
+        if H != self.spec.hidden_size or topk_ids.shape != (T, self.spec.top_k) or topk_weights.shape != topk_ids.shape:
+            raise ValueError(
+                f"shapes do not match the layer: hidden_states {tuple(x.shape)}, topk_ids {tuple(topk_ids.shape)}, "
+                f"topk_weights {tuple(topk_weights.shape)} for H={self.spec.hidden_size}, k={self.spec.top_k}"
+            )
+        I = self.spec.intermediate_size
+        if tuple(w13.shape) != (self.num_local, 2 * I, H) or tuple(w2.shape) != (self.num_local, H, I):
+            raise ValueError(f"w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} do not match ({self.num_local}, 2*{I}, {H}) / ({self.num_local}, {H}, {I})")
+        if out is None:
+            out = torch.empty_like(x)
+        b = self.buffers
+        runtime = [self.rank, self.world, self.spec.num_experts, int(self.force_put), self.layer_id, int(self.metrics),
+                   self.num_blocks, self.timeout_ns]
+        self.ops.moe_forward(
+            x, topk_ids, topk_weights, w13, w2, self.expert_rank, self.expert_local, out, b.workspace, b.status,
+            b.metrics_ring, b.metrics_totals, b.sym_ptr, b.capacity.as_list(), runtime,
+            torch.cuda.current_stream(self.device).cuda_stream,
+        )
+        return out
+
+
+def describe_status(status: torch.Tensor) -> str | None:
+    code, rank, peer, phase, detail, epoch, observed, block = (int(v) for v in status.tolist()[:8])
+    if code == 0:
+        return None
+    what = PHASES.get(phase, f"phase {phase}")
+    who = f"peer rank {peer}" if peer >= 0 else f"barrier {detail}"
+    return (
+        f"flashmoe: rank {rank} timed out waiting for the {what} from {who} "
+        f"(call #{epoch}, last value {observed & 0xFFFFFFFFFFFFFFFF:#x}, block {block}, "
+        f"FLASHMOE_TIMEOUT_MS={env_int('FLASHMOE_TIMEOUT_MS')}); a rank of the EP group did not launch the layer or "
+        f"died. This process's flashmoe state is no longer usable."
+    )
+
+
+def check_status(buf: _buffers.SymmetricBuffers | None = None) -> None:
+    """Raise if any kernel of this process recorded a failure (reads host memory: no device sync)."""
+    buf = buf or _buffers.current()
+    if buf is None:
+        return
+    if buf.poisoned:
+        raise FlashMoETimeoutError(buf.poisoned)
+    msg = describe_status(buf.status)
+    if msg:
+        buf.poisoned = msg
+        raise FlashMoETimeoutError(msg)
+
+
+def synchronize_and_check() -> None:
+    """Wait for this device's work, then raise FlashMoETimeoutError if a kernel timed out."""
+    torch.cuda.synchronize()
+    check_status()
+
+
+def device_metrics():
+    """(ring [4096,16] int64, totals [1024,4] int64) CUDA tensors the kernel writes, or None."""
+    buf = _buffers.current()
+    return None if buf is None else (buf.metrics_ring, buf.metrics_totals)
