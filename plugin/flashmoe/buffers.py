@@ -42,13 +42,13 @@ class Capacity:
 
     def covers(self, other: Capacity) -> bool:
         return self.world == other.world and self.num_blocks >= other.num_blocks and all(
-            a >= b for a, b in zip(self.as_list()[:4] + [self.max_local], other.as_list()[:4] + [other.max_local])
+            a >= b for a, b in zip(self.as_list()[:4] + [self.max_local], other.as_list()[:4] + [other.max_local], strict=False)
         )
 
     def union(self, other: Capacity) -> Capacity:
         if self.world != other.world:
             raise FlashMoEError(f"one process serves one EP group: world {self.world} vs {other.world}")
-        return Capacity(*(max(a, b) for a, b in zip(self.as_list(), other.as_list())))
+        return Capacity(*(max(a, b) for a, b in zip(self.as_list(), other.as_list(), strict=False)))
 
 
 class SymmetricBuffers:

@@ -68,13 +68,19 @@ class FlashMoE:
 
     def forward(self, hidden_states, topk_ids, topk_weights, w13, w2, out: torch.Tensor | None = None) -> torch.Tensor:
         """``out`` (optional, [T, H], input dtype, same device): written in full and returned."""
+        on_gpu = self._kernel is not None
+        check_inputs(hidden_states, topk_ids, topk_weights, w13, w2, self.placement, self.rank, check_values=not on_gpu)
+        if out is not None and (out.shape != hidden_states.shape or out.dtype != hidden_states.dtype or out.device != hidden_states.device):
+            raise ValueError(f"out must be {tuple(hidden_states.shape)} {hidden_states.dtype} on {hidden_states.device}")
         if hidden_states.shape[0] > self.spec.max_tokens_per_rank:
             raise ValueError(
                 f"{hidden_states.shape[0]} tokens exceed max_tokens_per_rank={self.spec.max_tokens_per_rank} this layer was sized for"
             )
-        if self._kernel is not None:
+        if on_gpu:
+            if not (hidden_states.is_contiguous() and topk_ids.is_contiguous() and topk_weights.is_contiguous()
+                    and w13.is_contiguous() and w2.is_contiguous()):
+                raise ValueError("the megakernel needs contiguous hidden_states, topk_ids, topk_weights, w13 and w2")
             return self._kernel.forward(hidden_states, topk_ids, topk_weights, w13, w2, out)
-        check_inputs(hidden_states, topk_ids, topk_weights, w13, w2, self.placement, self.rank)
         t0 = time.perf_counter()
         if self.world_size == 1:
             from .reference import _reference_impl

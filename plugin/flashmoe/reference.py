@@ -38,8 +38,12 @@ def check_inputs(
     w2: torch.Tensor,
     placement: ExpertPlacement,
     rank: int,
+    check_values: bool = True,
 ) -> None:
-    """Validate one call's inputs; raise ValueError naming the offending argument."""
+    """Validate one call's inputs; raise ValueError naming the offending argument.
+
+    ``check_values=False`` skips the id range check, the only one that reads device memory (a host sync;
+    the GPU path runs without it so it stays graph-capturable, and the kernel skips out-of-range ids)."""
     if hidden_states.dim() != 2:
         raise ValueError(f"hidden_states must be [T, H], got shape {tuple(hidden_states.shape)}")
     if hidden_states.dtype not in SUPPORTED_DTYPES:
@@ -65,7 +69,10 @@ def check_inputs(
         raise ValueError(f"weights dtype ({w13.dtype}, {w2.dtype}) must equal hidden_states dtype {hidden_states.dtype}")
     if E_local != placement.num_local(rank):
         raise ValueError(f"rank {rank} holds {E_local} experts in w13 but the placement gives it {placement.num_local(rank)}")
-    if topk_ids.numel():
+    for name, t in (("hidden_states", hidden_states), ("topk_ids", topk_ids), ("topk_weights", topk_weights), ("w13", w13), ("w2", w2)):
+        if t.device != hidden_states.device:
+            raise ValueError(f"{name} is on {t.device}, hidden_states on {hidden_states.device}")
+    if check_values and topk_ids.numel():
         lo, hi = int(topk_ids.min()), int(topk_ids.max())
         if lo < -1 or hi >= placement.num_experts:
             raise ValueError(f"topk_ids values must be in [-1, {placement.num_experts}), got [{lo}, {hi}]")
@@ -92,7 +99,7 @@ def _expert_outputs(
     sorted_ids = local_ids[order]
     experts, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
     start = 0
-    for e, c in zip(experts.tolist(), counts.tolist()):
+    for e, c in zip(experts.tolist(), counts.tolist(), strict=False):
         rows = order[start : start + c]
         start += c
         out = swiglu_expert(x[rows].to(compute_dtype), w13[e].to(compute_dtype), w2[e].to(compute_dtype), round_dtype)

@@ -1,0 +1,660 @@
+"""Time one MoE layer forward four ways and hold each against the physical floor of the case.
+
+    torchrun --nproc-per-node 4 benchmarks/layer_bench.py --max-minutes 8
+    torchrun --nproc-per-node 2 benchmarks/layer_bench.py --device cpu      # smoke run over gloo
+
+Variants (``--variants``): ``flashmoe`` (the megakernel; the reference backend where it cannot run,
+marked in ``backend``), ``all_to_all`` (NCCL all-to-all dispatch/combine around grouped GEMMs),
+``allgather_rs`` (all-gather, local experts on every token, reduce-scatter: vLLM's default EP path)
+and ``compute_only`` (the grouped GEMMs with rows already in place). Every variant's output is
+checked against the reference before it is timed. Rates for the floor (GEMM, copy, link) are
+measured first, in the same run. Rows go to ``--out`` after every case, so a run cut short by
+``--max-minutes`` or a crash keeps what it measured; a short table is printed last.
+See benchmarks/README.md for the columns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import math
+import os
+import socket
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from moe_bench import table
+from moe_bench.baselines import EPLayout, ExpertRows, all_to_all_moe, allgather_rs_moe, compute_only
+from moe_bench.check import MAX_REL_TOL, REL_L2_TOL, compare, expert_rows_reference
+from moe_bench.floor import Floor, layer_floor, load_imbalance, rank_work
+from moe_bench.grouped_gemm import GEMM_CHOICES, GroupedSwiGLU, select_grouped_gemm
+from moe_bench.ranks import Ranks
+from moe_bench.rates import measure_rates
+from moe_bench.results import (
+    SCHEMA,
+    default_out_path,
+    machine_info,
+    new_row,
+    run_env,
+    software_info,
+    utc_now,
+    write_json,
+)
+from moe_bench.routing import ROUTINGS, case_seed, make_routing
+from moe_bench.shapes import (
+    CPU_DEFAULT_MODELS,
+    CPU_DEFAULT_TOKENS,
+    GPU_DEFAULT_MODELS,
+    GPU_DEFAULT_TOKENS,
+    MODELS,
+    ModelShape,
+    with_experts,
+)
+from moe_bench.timing import L2Flusher, TimingPolicy, time_calls
+
+REPO = Path(__file__).resolve().parents[1]
+# Newer torch renames these two collectives; the GPU machines' torch 2.11 has only these names.
+warnings.filterwarnings(
+    "ignore",
+    r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
+    FutureWarning,
+)
+VARIANTS = table.VARIANTS
+DTYPE = torch.bfloat16
+# NVLink multicast is absent on our machines (kernel-design §5); NCCL, torch symmetric memory and
+# NVSHMEM must not try it. Explicit settings in the environment win.
+NO_MULTICAST_ENV = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+# Expert weights may take this share of the free GPU memory at start; beyond it the expert count is
+# halved (and the rows say so).
+WEIGHT_MEMORY_FRACTION = 0.5
+
+
+def _csv(text: str, cast=str) -> list:
+    return [cast(x.strip()) for x in text.split(",") if x.strip()]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default="cuda",
+        help="cpu: gloo smoke run (flashmoe = reference backend)",
+    )
+    p.add_argument(
+        "--models", help=f"comma list of {sorted(MODELS)}; default {','.join(GPU_DEFAULT_MODELS)} (cpu: tiny)"
+    )
+    p.add_argument(
+        "--tokens",
+        help=f"tokens per rank, comma list; default {','.join(map(str, GPU_DEFAULT_TOKENS))} (cpu: 1,8,32)",
+    )
+    p.add_argument("--routing", default=",".join(ROUTINGS), help="uniform and/or zipf")
+    p.add_argument("--variants", default=",".join(VARIANTS), help="subset of " + ",".join(VARIANTS))
+    p.add_argument("--zipf-s", type=float, default=1.0, help="Zipf exponent of expert popularity")
+    p.add_argument(
+        "--max-minutes",
+        type=float,
+        default=None,
+        help="stop after this much wall time (checked between variants)",
+    )
+    p.add_argument(
+        "--out", type=Path, help="JSON path; default benchmarks/results/<date>-<machine>-layer.json"
+    )
+    p.add_argument(
+        "--grouped-gemm", choices=GEMM_CHOICES, default="auto", help="grouped GEMM of the baselines"
+    )
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--min-iters", type=int, default=10)
+    p.add_argument("--max-iters", type=int, default=200)
+    p.add_argument(
+        "--target-ms",
+        type=float,
+        default=250.0,
+        help="timed device time per variant and case (bounded by min/max iters)",
+    )
+    p.add_argument(
+        "--rotate-mib",
+        type=float,
+        default=256.0,
+        help="input sets per case: enough to hold this much (2..--max-sets)",
+    )
+    p.add_argument("--max-sets", type=int, default=16)
+    p.add_argument(
+        "--no-l2-flush", action="store_true", help="do not overwrite the L2 before each timed call"
+    )
+    p.add_argument(
+        "--no-check", action="store_true", help="skip the correctness check (rows record check_rel_l2 = null)"
+    )
+    p.add_argument(
+        "--timeout-s",
+        type=float,
+        default=300.0,
+        help="process-group timeout: a stuck collective aborts the run",
+    )
+    p.add_argument(
+        "--commit", help="commit to record when the tree has no .git (default: git rev-parse HEAD)"
+    )
+    p.add_argument("--seed", type=int, default=0, help="changes every input set and weight")
+    args = p.parse_args(argv)
+    cpu = args.device == "cpu"
+    args.models = (
+        _csv(args.models) if args.models else list(CPU_DEFAULT_MODELS if cpu else GPU_DEFAULT_MODELS)
+    )
+    args.tokens = (
+        _csv(args.tokens, int) if args.tokens else list(CPU_DEFAULT_TOKENS if cpu else GPU_DEFAULT_TOKENS)
+    )
+    args.routing = _csv(args.routing)
+    args.variants = _csv(args.variants)
+    for name, got, allowed in (
+        ("--models", args.models, MODELS),
+        ("--routing", args.routing, ROUTINGS),
+        ("--variants", args.variants, VARIANTS),
+    ):
+        bad = [x for x in got if x not in allowed]
+        if bad or not got:
+            p.error(f"{name}: {bad or 'empty'} not in {list(allowed)}")
+    if any(t <= 0 for t in args.tokens):
+        p.error("--tokens must be positive")
+    return args
+
+
+# ----------------------------------------------------------------------------------------- setup
+
+
+def init_distributed(device_kind: str, timeout_s: float):
+    """(EP group, gloo group over the same ranks, device). Works under torchrun or as one process."""
+    for k, v in NO_MULTICAST_ENV.items():
+        os.environ.setdefault(k, v)
+    if "RANK" not in os.environ:  # plain `python layer_bench.py`: a one-rank group
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(
+            RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+        )
+    timeout = dt.timedelta(seconds=timeout_s)
+    if device_kind == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda but CUDA is not available (use --device cpu for the smoke run)")
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", timeout=timeout, device_id=device)
+        cpu_group = dist.new_group(backend="gloo", timeout=timeout)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", timeout=timeout)
+        cpu_group = dist.group.WORLD
+    return dist.group.WORLD, cpu_group, device
+
+
+def fit_experts(shape: ModelShape, ranks: Ranks) -> tuple[ModelShape, str]:
+    """Halve the expert count until E/world experts' weights fit in WEIGHT_MEMORY_FRACTION of free memory."""
+    if ranks.device.type != "cuda":
+        return shape, ""
+    budget = ranks.min(torch.cuda.mem_get_info(ranks.device)[0] * WEIGHT_MEMORY_FRACTION)
+    E = shape.num_experts
+    while math.ceil(E / ranks.world) * shape.expert_weight_bytes() > budget and E // 2 >= max(
+        ranks.world, shape.top_k
+    ):
+        E //= 2
+    if E == shape.num_experts:
+        return shape, ""
+    return with_experts(shape, E), f"experts cut {shape.num_experts} -> {E} to fit GPU memory"
+
+
+@dataclass
+class FlashMoELayers:
+    """One flashmoe layer per model, built before any timing (see :func:`build_flashmoe_layers`)."""
+
+    layers: dict = field(default_factory=dict)
+    errors: dict = field(default_factory=dict)
+
+
+def reserve_flashmoe_buffers(shapes: dict[str, ModelShape], max_tokens: int, cpu_group, ranks: Ranks) -> None:
+    """Size flashmoe's process-wide symmetric buffers once, for the union of the selected layers: the
+    NVSHMEM heap is sized at the first allocation and cannot grow past it. Collective; raises on failure."""
+    from flashmoe import MoELayerSpec
+    from flashmoe.backend import MEGAKERNEL, select_backend
+
+    def largest(attr: str) -> int:
+        return max(getattr(s, attr) for s in shapes.values())
+
+    union = MoELayerSpec(
+        largest("num_experts"),
+        largest("top_k"),
+        largest("hidden"),
+        largest("intermediate"),
+        max_tokens,
+        DTYPE,
+    )
+    if select_backend(union, ranks.device, ranks.world).name != MEGAKERNEL:
+        return  # each layer says why when it is built
+    from flashmoe.megakernel import reserve
+
+    reserve(
+        max_tokens,
+        union.hidden_size,
+        union.intermediate_size,
+        union.top_k,
+        union.num_experts,
+        group=cpu_group,
+        device=ranks.device,
+    )
+
+
+def build_flashmoe_layers(
+    shapes: dict[str, ModelShape], placements: dict, max_tokens: int, group, cpu_group, ranks: Ranks, log
+) -> FlashMoELayers:
+    """One layer per model, sized for the largest token count, after the buffers are reserved for all
+    of them; built largest first, so that without the reservation the first allocation covers the rest."""
+    built = FlashMoELayers()
+    err = None
+    try:
+        from flashmoe import FlashMoE, MoELayerSpec
+
+        if ranks.device.type == "cuda":
+            reserve_flashmoe_buffers(shapes, max_tokens, cpu_group, ranks)
+    except Exception as e:  # keep measuring the baselines
+        err = f"{type(e).__name__}: {e}"
+    if ranks.any(err is not None):
+        for name in shapes:
+            built.errors[name] = f"flashmoe setup failed: {err or 'on another rank'}"
+        log(built.errors[next(iter(shapes))])
+        return built
+    order = sorted(
+        shapes,
+        key=lambda n: (shapes[n].hidden * shapes[n].top_k, shapes[n].intermediate, shapes[n].num_experts),
+        reverse=True,
+    )
+    for name in order:
+        s = shapes[name]
+        err = None
+        try:
+            spec = MoELayerSpec(s.num_experts, s.top_k, s.hidden, s.intermediate, max_tokens, DTYPE)
+            layer = FlashMoE(
+                spec,
+                placements[name],
+                group,
+                cpu_group=cpu_group,
+                layer_name=f"bench-{name}",
+                device=ranks.device,
+            )
+        except Exception as e:  # recorded in the rows; the baselines still run
+            layer, err = None, f"{type(e).__name__}: {e}"
+        if ranks.any(err is not None):
+            built.errors[name] = err or "construction failed on another rank"
+            log(f"flashmoe {name}: unavailable ({built.errors[name]})")
+        else:
+            built.layers[name] = layer
+            log(f"flashmoe {name}: backend {layer.backend} ({layer.reason})")
+    return built
+
+
+@dataclass
+class ModelState:
+    shape: ModelShape
+    model_num_experts: int
+    note: str
+    placement: object
+    ep: EPLayout
+    w13: torch.Tensor
+    w2: torch.Tensor
+
+
+def make_model(
+    shape: ModelShape, model_num_experts: int, note: str, placement, group, ranks: Ranks, seed: int
+) -> ModelState:
+    gen = torch.Generator(device=ranks.device).manual_seed(case_seed("weights", shape.name, ranks.rank, seed))
+    n = placement.num_local(ranks.rank)
+    hidden, inter = shape.hidden, shape.intermediate
+    # Scaled so activations stay O(1) through both GEMMs.
+    w13 = torch.randn(n, 2 * inter, hidden, generator=gen, device=ranks.device, dtype=DTYPE).mul_(
+        hidden**-0.5
+    )
+    w2 = torch.randn(n, hidden, inter, generator=gen, device=ranks.device, dtype=DTYPE).mul_(inter**-0.5)
+    return ModelState(
+        shape,
+        model_num_experts,
+        note,
+        placement,
+        EPLayout.from_placement(placement, group, ranks.device),
+        w13,
+        w2,
+    )
+
+
+# ------------------------------------------------------------------------------------------ cases
+
+
+@dataclass
+class InputSet:
+    x: torch.Tensor
+    ids: torch.Tensor
+    weights: torch.Tensor
+    out: torch.Tensor  # flashmoe writes here
+    expert_rows: ExpertRows | None = None  # compute_only's input
+
+
+@dataclass
+class Context:
+    args: argparse.Namespace
+    ranks: Ranks
+    rates: object
+    swiglu: GroupedSwiGLU
+    flush: L2Flusher
+    policy: TimingPolicy
+    flashmoe: FlashMoELayers
+    deadline: float
+    log: object
+
+    def out_of_time(self) -> bool:
+        return self.ranks.any(time.monotonic() > self.deadline)
+
+
+def num_input_sets(tokens: int, shape: ModelShape, args) -> int:
+    per_set = tokens * shape.hidden * 2 * (1 + shape.top_k * ("compute_only" in args.variants))
+    return max(2, min(args.max_sets, math.ceil(args.rotate_mib * 2**20 / per_set)))
+
+
+def make_inputs(
+    ctx: Context, m: ModelState, tokens: int, routing: str
+) -> tuple[list[InputSet], Floor, float]:
+    """Rotated input sets, the case's floor (mean over the sets) and its load imbalance."""
+    s, ranks, dev = m.shape, ctx.ranks, ctx.ranks.device
+    sets, floors, imbalance = [], [], []
+    mine = m.placement.local_experts(ranks.rank).long()
+    for i in range(num_input_sets(tokens, s, ctx.args)):
+        seed = case_seed(s.name, tokens, routing, i, ranks.rank, ctx.args.seed)
+        gen = torch.Generator(device=dev).manual_seed(seed)
+        ids, weights = make_routing(tokens, s.num_experts, s.top_k, routing, seed, dev, ctx.args.zipf_s)
+        x = torch.randn(tokens, s.hidden, generator=gen, device=dev, dtype=DTYPE)
+        ids_all = ranks.gather_tensor(ids)  # [world, T, k]: the floor needs every rank's routing
+        works = rank_work(ids_all, m.placement.expert_rank)
+        floors.append(layer_floor(works, s.hidden, s.intermediate, ctx.rates.rates))
+        imbalance.append(load_imbalance(works))
+        rows = None
+        if "compute_only" in ctx.args.variants:
+            sizes = torch.bincount(ids_all.flatten().long(), minlength=s.num_experts)[mine.to(dev)]
+            rows = ExpertRows.random(sizes, s.hidden, DTYPE, gen)
+        sets.append(InputSet(x, ids, weights, torch.empty_like(x), rows))
+    return sets, Floor.mean(floors), sum(imbalance) / len(imbalance)
+
+
+def variant_call(ctx: Context, m: ModelState, variant: str, sets: list[InputSet]):
+    """(call(set index) -> output, backend label, reason it cannot run or None)."""
+    w13, w2, sw, ep = m.w13, m.w2, ctx.swiglu, m.ep
+    if variant == "flashmoe":
+        layer = ctx.flashmoe.layers.get(m.shape.name)
+        if layer is None:
+            return None, None, ctx.flashmoe.errors.get(m.shape.name, "not built")
+        if layer.backend != "megakernel" and ctx.ranks.device.type == "cuda":
+            return (
+                None,
+                layer.backend,
+                f"backend {layer.backend}: {layer.reason}",
+            )  # timing the reference on a GPU says nothing
+        return (
+            (lambda i: layer(sets[i].x, sets[i].ids, sets[i].weights, w13, w2, out=sets[i].out)),
+            layer.backend,
+            None,
+        )
+    if variant == "all_to_all":
+        return (
+            (lambda i: all_to_all_moe(sets[i].x, sets[i].ids, sets[i].weights, w13, w2, sw, ep)),
+            sw.impl,
+            None,
+        )
+    if variant == "allgather_rs":
+        return (
+            (lambda i: allgather_rs_moe(sets[i].x, sets[i].ids, sets[i].weights, w13, w2, sw, ep)),
+            sw.impl,
+            None,
+        )
+    if variant == "compute_only":
+        return (lambda i: compute_only(sets[i].expert_rows, w13, w2, sw)), sw.impl, None
+    raise ValueError(variant)
+
+
+def run_variant(
+    ctx: Context, m: ModelState, variant: str, sets: list[InputSet], reference, base: dict
+) -> dict:
+    ranks = ctx.ranks
+    call, backend, unavailable = variant_call(ctx, m, variant, sets)
+    row = dict(base, variant=variant, backend=backend)
+    if ranks.any(unavailable is not None):
+        return new_row(**row, status="unavailable", note=unavailable or "unavailable on another rank")
+
+    # Correctness on input set 0. An exception inside a collective leaves the other ranks waiting in
+    # it; the process-group timeout (--timeout-s) then ends the run, with every earlier row on disk.
+    err, result = None, None
+    try:
+        out = call(0)
+        if not ctx.args.no_check:
+            if variant == "compute_only":
+                rows = sets[0].expert_rows
+                result = compare(out, expert_rows_reference(rows.x, rows.sizes, m.w13, m.w2))
+            else:
+                result = compare(out, reference)
+    except Exception as e:
+        err = f"{type(e).__name__}: {e}"[:500]
+    if ranks.any(err is not None):
+        return new_row(**row, status="error", note=err or "raised on another rank")
+    if result is not None:
+        rel_l2, max_rel = ranks.max(result.rel_l2), ranks.max(result.max_rel)
+        row.update(check_rel_l2=rel_l2, check_max_rel=max_rel)
+        if ranks.any(not result.ok):
+            return new_row(
+                **row,
+                status="wrong",
+                note=f"output differs from the reference (tolerance rel_l2 {REL_L2_TOL}, max_rel {MAX_REL_TOL})",
+            )
+
+    times = time_calls(call, len(sets), ranks, ctx.flush, ctx.policy)
+    per_rank = ranks.gather([times.median, times.quantile(0.1), times.quantile(0.9), len(times.seconds)])
+    slowest = max(per_rank, key=lambda r: r[0])
+    latency = slowest[0]
+    notes = [base["note"]] if base["note"] else []
+    if backend == "reference":
+        notes.append("flashmoe ran its reference backend (no megakernel on this device)")
+    return new_row(
+        **dict(row, note="; ".join(notes) or None),
+        status="ok",
+        latency_us=latency * 1e6,
+        latency_p10_us=slowest[1] * 1e6,
+        latency_p90_us=slowest[2] * 1e6,
+        latency_per_rank_us=[r[0] * 1e6 for r in per_rank],
+        iters=int(slowest[3]),
+        x_floor=latency * 1e6 / base["floor_us"] if base["floor_us"] else None,
+        x_floor_nodedup=latency * 1e6 / base["floor_nodedup_us"] if base["floor_nodedup_us"] else None,
+    )
+
+
+def run_case(ctx: Context, m: ModelState, tokens: int, routing: str) -> list[dict]:
+    s, ranks = m.shape, ctx.ranks
+    sets, floor, imbalance = make_inputs(ctx, m, tokens, routing)
+    reference = None
+    if not ctx.args.no_check and any(v != "compute_only" for v in ctx.args.variants):
+        from flashmoe.reference import moe_reference_distributed
+
+        x0 = sets[0]
+        reference = moe_reference_distributed(x0.x, x0.ids, x0.weights, m.w13, m.w2, m.placement, ranks.group)
+    base = dict(
+        model=s.name,
+        hidden=s.hidden,
+        intermediate=s.intermediate,
+        num_experts=s.num_experts,
+        model_num_experts=m.model_num_experts,
+        top_k=s.top_k,
+        world_size=ranks.world,
+        tokens_per_rank=tokens,
+        routing=routing,
+        sets=len(sets),
+        floor_us=floor.floor_s * 1e6,
+        floor_nodedup_us=floor.floor_nodedup_s * 1e6,
+        t_gemm_us=floor.gemm_s * 1e6,
+        t_weights_us=floor.weights_s * 1e6,
+        t_link_us=floor.link_s * 1e6,
+        t_link_nodedup_us=floor.link_nodedup_s * 1e6,
+        bound=floor.bound,
+        load_imbalance=imbalance,
+        note=m.note or None,
+    )
+    rows = []
+    for variant in ctx.args.variants:
+        if ctx.out_of_time():
+            break
+        row = run_variant(ctx, m, variant, sets, reference, base)
+        rows.append(row)
+        lat = (
+            f"{row['latency_us']:.1f} us ({row['x_floor']:.2f}x floor)"
+            if row["status"] == "ok"
+            else f"{row['status']}: {row['note']}"
+        )
+        ctx.log(f"{s.name} T={tokens} {routing} {variant}: {lat}")
+    return rows
+
+
+# ------------------------------------------------------------------------------------------- main
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    t_start = time.monotonic()
+    deadline = t_start + args.max_minutes * 60 if args.max_minutes is not None else math.inf
+    group, cpu_group, device = init_distributed(args.device, args.timeout_s)
+    ranks = Ranks(group, device)
+    lead = ranks.rank == 0
+
+    def log(msg: str) -> None:
+        if lead:
+            print(f"[{time.monotonic() - t_start:7.1f}s] {msg}", flush=True)
+
+    gemm_impl, gemm_note = select_grouped_gemm(args.grouped_gemm, device)
+    log(f"grouped GEMM: {gemm_impl} ({gemm_note})")
+    measured = measure_rates(ranks)
+    r = measured.rates
+    log(
+        f"rates: GEMM {r.gemm_flops / 1e12:.1f} TFLOP/s, copy {r.copy_bytes / 1e9:.0f} GB/s, link {r.link_bytes / 1e9:.0f} GB/s ({measured.link_method})"
+    )
+
+    machine = machine_info(device, ranks.world)
+    out_path = args.out or default_out_path(REPO / "benchmarks" / "results", machine["tag"])
+    doc = {
+        "schema": SCHEMA,
+        "created": utc_now(),
+        "argv": sys.argv,
+        "complete": False,
+        "stopped_reason": None,
+        "elapsed_s": None,
+        "machine": machine,
+        "software": software_info(REPO, args.commit),
+        "env": run_env(),
+        "config": {
+            "world_size": ranks.world,
+            "dtype": "bfloat16",
+            "variants": args.variants,
+            "models": args.models,
+            "tokens_per_rank": args.tokens,
+            "routings": args.routing,
+            "zipf_s": args.zipf_s,
+            "placement": "contiguous",
+            "grouped_gemm": gemm_impl,
+            "grouped_gemm_note": gemm_note,
+            "timing": {
+                "warmup": args.warmup,
+                "min_iters": args.min_iters,
+                "max_iters": args.max_iters,
+                "target_ms": args.target_ms,
+                "rotate_mib": args.rotate_mib,
+                "max_sets": args.max_sets,
+                "l2_flush": not args.no_l2_flush,
+                "latency": "max over ranks of each rank's median per-call time (CUDA events around each call, after an L2 flush and a stream barrier)",
+            },
+            "check": None
+            if args.no_check
+            else {"rel_l2_tol": REL_L2_TOL, "max_rel_tol": MAX_REL_TOL, "on": "input set 0 of each case"},
+            "floor": "max(gemm, weights, link) per rank, maxed over ranks; link with dispatch dedup (one row per token and remote rank); floor_nodedup counts one row per token and remote expert; x_floor uses the dedup floor",
+            "max_minutes": args.max_minutes,
+            "seed": args.seed,
+        },
+        "rates": measured.to_json(),
+        "rows": [],
+    }
+
+    def save() -> None:
+        doc["elapsed_s"] = round(time.monotonic() - t_start, 1)
+        if lead:
+            write_json(out_path, doc)
+
+    from flashmoe import ExpertPlacement
+
+    shapes, notes, placements = {}, {}, {}
+    for name in args.models:
+        shapes[name], notes[name] = fit_experts(MODELS[name], ranks)
+        placements[name] = ExpertPlacement.contiguous(shapes[name].num_experts, ranks.world)
+    flashmoe_layers = FlashMoELayers()
+    if "flashmoe" in args.variants:
+        flashmoe_layers = build_flashmoe_layers(
+            shapes, placements, max(args.tokens), group, cpu_group, ranks, log
+        )
+    ctx = Context(
+        args,
+        ranks,
+        measured,
+        GroupedSwiGLU(gemm_impl),
+        L2Flusher(device, enabled=not args.no_l2_flush),
+        TimingPolicy(args.warmup, args.min_iters, args.max_iters, args.target_ms / 1e3),
+        flashmoe_layers,
+        deadline,
+        log,
+    )
+    save()
+
+    stopped = None
+    for name in args.models:
+        if stopped:
+            break
+        m = make_model(
+            shapes[name], MODELS[name].num_experts, notes[name], placements[name], group, ranks, args.seed
+        )
+        for tokens in args.tokens:
+            for routing in args.routing:
+                if ctx.out_of_time():
+                    stopped = f"--max-minutes {args.max_minutes} reached before {name} T={tokens} {routing}"
+                    break
+                doc["rows"] += run_case(ctx, m, tokens, routing)
+                save()
+            if stopped:
+                break
+        del m
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    if stopped is None and ctx.out_of_time():
+        stopped = f"--max-minutes {args.max_minutes} reached during the last case"
+    doc["complete"] = stopped is None
+    doc["stopped_reason"] = stopped
+    save()
+    if lead:
+        print()
+        print(table.text_table(doc["rows"]))
+        print(
+            f"\n{len(doc['rows'])} rows -> {out_path}" + (f"  (stopped: {stopped})" if stopped else ""),
+            flush=True,
+        )
+    dist.barrier(group=cpu_group)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
