@@ -8,8 +8,6 @@ out of the pytest process and a hang fails the test instead of the session.
 
 from __future__ import annotations
 
-from datetime import timedelta
-
 import pytest
 import torch
 from multiproc import apply_rank_env, run_ranks
@@ -80,7 +78,10 @@ def _megakernel_records(rank: int, world: int, port: int) -> None:
 
     torch.cuda.set_device(0)
     device = torch.device("cuda", 0)
-    store = dist.TCPStore("127.0.0.1", port, 1, True, timeout=timedelta(seconds=60))
+    import tempfile
+
+    # A file store: no port to collide with whatever else the machine runs.
+    store = dist.FileStore(tempfile.mktemp(prefix="flashmoe-metrics-store-"), 1)
     dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=device)
     cpu_group = dist.new_group(backend="gloo")
     spec = MoELayerSpec(**SPEC)

@@ -20,11 +20,11 @@ import torch
 
 from .config import env_flag, env_int
 from .errors import FlashMoEError
+from .metrics_ring import MAX_LAYERS, RING_FIELDS, RING_SLOTS, TOTALS_FIELDS  # the layout the kernel writes
 
 logger = logging.getLogger("flashmoe")
 
 STATUS_WORDS = 8
-RING_SLOTS, RING_FIELDS, MAX_LAYERS = 4096, 16, 1024
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ class SymmetricBuffers:
             # Counters start at 0 and are reset by the kernel itself after each call: zeroed once, never again.
             self.workspace = torch.zeros(self.workspace_bytes, dtype=torch.uint8, device=device)
             self.metrics_ring = torch.zeros(RING_SLOTS, RING_FIELDS, dtype=torch.int64, device=device)
-            self.metrics_totals = torch.zeros(MAX_LAYERS, 4, dtype=torch.int64, device=device)
+            self.metrics_totals = torch.zeros(MAX_LAYERS, TOTALS_FIELDS, dtype=torch.int64, device=device)
         self.status = torch.zeros(STATUS_WORDS, dtype=torch.int64).pin_memory()
         self.poisoned: str | None = None
         ops.barrier_all(torch.cuda.current_stream(device).cuda_stream)

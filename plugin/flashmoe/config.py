@@ -32,6 +32,9 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("FLASHMOE_BACKEND", "auto", "auto | megakernel | reference: force the implementation behind the op."),
     EnvVar("FLASHMOE_METRICS", "1", "0 disables in-kernel timing and the Prometheus export."),
     EnvVar("FLASHMOE_METRICS_PORT", "0", "If set, each rank serves its own Prometheus exporter on PORT + local rank."),
+    EnvVar("FLASHMOE_METRICS_ADDR", "0.0.0.0", "Address the per-rank exporter (FLASHMOE_METRICS_PORT) binds."),
+    EnvVar("FLASHMOE_METRICS_BRIDGE_DIR", "", "Set by the vLLM plugin for its workers (not by users): where they leave metrics for the API server's /metrics."),
+    EnvVar("FLASHMOE_SGLANG_FALLBACK", "", "Set by the SGLang plugin's launcher for its schedulers (not by users): why the megakernel was not selected, counted in the fallback metric."),
     EnvVar("FLASHMOE_STRESS_DELAY_NS", "0", "Test only: build a kernel variant that sleeps a random 0..N ns before each signal and wait (race hunting)."),
 )
 

@@ -56,7 +56,7 @@ class FlashMoE:
         self.device = device
         choice = select_backend(spec, device, self.world_size, quantized)
         self.backend, self.reason = choice.name, choice.reason
-        self.layer_id = metrics.register_layer(layer_name or f"layer{id(self):x}", self.backend)
+        self.layer_id = metrics.register_layer(layer_name or f"layer{id(self):x}", self.backend, ep_rank=self.rank)
         self._kernel = None
         if self.backend == MEGAKERNEL:
             from .megakernel import MegaKernelLayer

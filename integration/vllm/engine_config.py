@@ -1,0 +1,188 @@
+"""Engine-level decisions for ``--moe-backend flashmoe``, taken once where vLLM builds its config.
+
+``EngineArgs.create_engine_config`` runs in the process that owns the engine (API server or
+``LLM``); the resulting ``VllmConfig`` is shipped to every engine core and worker. Deciding here
+means a fallback can still pick vLLM's DeepEP all2all (chosen at config time, not per layer) and
+that unsupported deployments fail before any worker starts.
+
+What is decided here:
+- refused with an error: EP disabled on more than one rank, EPLB, dual-batch overlap, and the
+  host-synchronising reference backend on CUDA with CUDA graphs on;
+- fallback (megakernel cannot serve this deployment): non-Hopper or non-CUDA accelerator,
+  quantized checkpoint, non-bf16 dtype, shapes outside the kernel's tile limits. The fallback is
+  vLLM's DeepEP (``deepep_high_throughput``) if ``deep_ep`` imports and the user left
+  ``--all2all-backend`` at its default, else vLLM's own default path; ``FLASHMOE_STRICT=1`` makes it
+  an error;
+- CPU: the distributed PyTorch reference serves the layers (no fallback).
+
+Per-layer conditions that only a worker can see (NVSHMEM init, JIT build) are handled in
+:mod:`.moe_method`, which falls back to vLLM's default kernel for that layer.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+from flashmoe.backend import HIDDEN_MULTIPLE, INTERMEDIATE_MULTIPLE, MAX_TOP_K, MAX_WORLD, REFERENCE
+from flashmoe.config import env, env_flag
+from flashmoe.errors import FlashMoEUnsupported
+
+from . import compat
+from .log import logger
+
+
+def requested_backend(args) -> str:
+    """The ``moe_backend`` the user asked for (``--moe-backend`` wins over ``--kernel-config``)."""
+    if args.moe_backend != "auto":
+        return args.moe_backend
+    kernel_config = getattr(args, "kernel_config", None)
+    return getattr(kernel_config, "moe_backend", "auto")
+
+
+def wrap_create_engine_config(engine_args_cls) -> None:
+    """Route ``EngineArgs.create_engine_config`` (and subclasses') through :func:`resolve`."""
+    original = engine_args_cls.create_engine_config
+    if getattr(original, "_flashmoe_wrapped", False):
+        return
+
+    def create_engine_config(self, *args, **kwargs):
+        vllm_config = original(self, *args, **kwargs)
+        if requested_backend(self) != compat.BACKEND_NAME:
+            return vllm_config
+        fallback = resolve(vllm_config)
+        if fallback is None:
+            return vllm_config
+        # Rebuild with the fallback choices so vLLM derives everything (compilation splitting ops,
+        # CUDA-graph mode for DeepEP, all2all manager) from them, as if the user had asked for it.
+        self.moe_backend = "auto"
+        if getattr(self, "kernel_config", None) is not None:
+            self.kernel_config.moe_backend = "auto"
+        if fallback.all2all_backend is not None:
+            self.all2all_backend = fallback.all2all_backend
+        return original(self, *args, **kwargs)
+
+    create_engine_config._flashmoe_wrapped = True  # type: ignore[attr-defined]
+    create_engine_config.__doc__ = original.__doc__
+    engine_args_cls.create_engine_config = create_engine_config
+
+
+class Fallback:
+    def __init__(self, reason: str, all2all_backend: str | None):
+        self.reason = reason
+        self.all2all_backend = all2all_backend
+
+
+def resolve(vllm_config) -> Fallback | None:
+    """Validate a flashmoe deployment; return the fallback to apply, or None to serve with flashmoe."""
+    parallel = vllm_config.parallel_config
+    model = vllm_config.model_config
+    ranks = (
+        parallel.tensor_parallel_size
+        * parallel.data_parallel_size
+        * getattr(parallel, "prefill_context_parallel_size", 1)
+    )
+    if ranks > 1 and not parallel.enable_expert_parallel:
+        raise ValueError(
+            "--moe-backend flashmoe is an expert-parallel backend: add --enable-expert-parallel "
+            f"(tensor_parallel_size={parallel.tensor_parallel_size}, data_parallel_size={parallel.data_parallel_size})"
+        )
+    if parallel.enable_eplb:
+        raise ValueError(
+            "--moe-backend flashmoe does not support EPLB yet (the megakernel's expert placement is fixed "
+            "when the layer is built and redundant experts are not supported); drop --enable-eplb"
+        )
+    if getattr(parallel, "enable_dbo", False):
+        raise ValueError("--moe-backend flashmoe does not support dual-batch overlap; drop --enable-dbo")
+
+    platform = compat.platform_kind()
+    if platform == "cpu":
+        if env_flag("FLASHMOE_STRICT"):
+            raise FlashMoEUnsupported(
+                "FLASHMOE_STRICT=1: on CPU flashmoe runs the PyTorch reference, not the megakernel"
+            )
+        logger.info(
+            "flashmoe: CPU platform: MoE layers run flashmoe's distributed PyTorch reference over the EP group"
+        )
+        return None
+    if platform == "cuda" and env("FLASHMOE_BACKEND").strip().lower() == REFERENCE:
+        if not model.enforce_eager:
+            raise ValueError(
+                "FLASHMOE_BACKEND=reference on CUDA synchronises with the host inside the MoE layer, "
+                "which CUDA graphs cannot capture: add --enforce-eager"
+            )
+        return None
+
+    reason = megakernel_refusal(vllm_config, platform)
+    if reason is None:
+        return None
+    if env_flag("FLASHMOE_STRICT"):
+        raise FlashMoEUnsupported(
+            f"FLASHMOE_STRICT=1 and the flashmoe megakernel cannot serve this model: {reason}"
+        )
+    from flashmoe import metrics
+
+    metrics.record_fallback(reason)
+    all2all = None
+    if (
+        parallel.enable_expert_parallel
+        and parallel.all2all_backend == compat.DEFAULT_ALL2ALL_BACKEND
+        and _deep_ep_importable()
+    ):
+        all2all = compat.DEEPEP_ALL2ALL_BACKEND
+        chosen = f"vLLM's DeepEP path (all2all_backend={all2all}, moe_backend=auto)"
+    else:
+        chosen = f"vLLM's default MoE path (all2all_backend={parallel.all2all_backend}, moe_backend=auto)"
+    logger.warning("flashmoe: megakernel unavailable (%s); using %s", reason, chosen)
+    return Fallback(reason, all2all)
+
+
+def megakernel_refusal(vllm_config, platform: str) -> str | None:
+    """Why the megakernel cannot serve this deployment, from config alone (None if it can)."""
+    import torch
+
+    if platform != "cuda":
+        return f"platform is {platform}, the megakernel needs an NVIDIA Hopper GPU"
+    cap = compat.current_device_capability()
+    if cap is None:
+        return "no CUDA device visible"
+    if cap != (9, 0):
+        return f"GPU is sm_{cap[0]}{cap[1]}; the megakernel is built for Hopper (sm_90a)"
+    model = vllm_config.model_config
+    if model.quantization is not None:
+        return (
+            f"{model.quantization} checkpoint (only bf16 weights are supported until the fp8 kernel exists)"
+        )
+    if model.dtype != torch.bfloat16:
+        return f"dtype {model.dtype} (the kernel is bf16)"
+    text_config = model.hf_text_config
+    hidden = getattr(text_config, "hidden_size", None)
+    intermediate = getattr(text_config, "moe_intermediate_size", None)
+    top_k = getattr(text_config, "num_experts_per_tok", None)
+    if isinstance(hidden, int) and hidden % HIDDEN_MULTIPLE:
+        return f"hidden size {hidden} is not a multiple of {HIDDEN_MULTIPLE}"
+    if isinstance(intermediate, int) and intermediate % INTERMEDIATE_MULTIPLE:
+        return f"MoE intermediate size {intermediate} is not a multiple of {INTERMEDIATE_MULTIPLE}"
+    if isinstance(top_k, int) and top_k > MAX_TOP_K:
+        return f"top_k {top_k} > {MAX_TOP_K}"
+    parallel = vllm_config.parallel_config
+    ep_size = parallel.tensor_parallel_size * parallel.data_parallel_size
+    if ep_size > MAX_WORLD:
+        return f"EP size {ep_size} > {MAX_WORLD}"
+    if not _module_exists("nvidia.nvshmem"):
+        return "NVSHMEM (pip package nvidia-nvshmem-cu13) is not installed"
+    return None
+
+
+def _module_exists(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ImportError:  # a missing parent package
+        return False
+
+
+def _deep_ep_importable() -> bool:
+    try:
+        import deep_ep  # noqa: F401
+    except Exception:
+        return False
+    return True

@@ -1,0 +1,105 @@
+"""flashmoe as a vLLM modular MoE kernel: ``FusedMoEKernel(FlashMoEPrepareFinalize, FlashMoEExperts)``.
+
+The megakernel does dispatch, both expert GEMMs and the combine itself, so the prepare/finalize
+half is a pass-through that tells vLLM the output is already reduced across the EP group (vLLM
+then skips its naive dispatch/combine and the final all-reduce), and the experts half hands the
+router's ``(topk_ids, topk_weights)`` and the layer's weights to :class:`flashmoe.FlashMoE`.
+Routing stays in vLLM; ``--all2all-backend`` stays at its default and allocates nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+from flashmoe import FlashMoE
+from vllm.model_executor.layers.fused_moe import modular_kernel as mk
+from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import TopKWeightAndReduceNoOP
+
+from . import compat
+
+
+class FlashMoEPrepareFinalize(compat.prepare_finalize_base()):
+    """No-op dispatch/combine: ``prepare`` hands the tokens through unquantized, ``finalize`` copies
+    only if vLLM did not alias the experts' output to its own buffer."""
+
+    def topk_indices_dtype(self) -> torch.dtype | None:
+        return torch.int32  # the kernel's id type; vLLM's routers emit it directly
+
+    def output_is_reduced(self) -> bool:
+        return True
+
+    def supports_deferred_moe_finalize(self) -> bool:  # 0.32+
+        return False  # the combine already summed over top-k: nothing is left for a consumer
+
+    def supports_dbo(self) -> bool:  # 0.33+
+        return False
+
+
+class FlashMoEExperts(mk.FusedMoEExpertsModular):
+    """Runs one layer's :class:`flashmoe.FlashMoE` (megakernel on Hopper, reference elsewhere)."""
+
+    def __init__(self, moe_config, quant_config, flashmoe: FlashMoE):
+        super().__init__(moe_config, quant_config)
+        self.flashmoe = flashmoe
+
+    @staticmethod
+    def activation_format() -> mk.FusedMoEActivationFormat:
+        return mk.FusedMoEActivationFormat.Standard
+
+    @staticmethod
+    def _supports_current_device() -> bool:
+        return True  # the megakernel/reference choice is FlashMoE's, made per layer
+
+    @staticmethod
+    def _supports_no_act_and_mul() -> bool:
+        return False
+
+    @staticmethod
+    def _supports_quant_scheme(weight_key, activation_key) -> bool:
+        return weight_key is None and activation_key is None
+
+    @staticmethod
+    def _supports_activation(activation: MoEActivation) -> bool:
+        return activation == MoEActivation.SILU
+
+    @staticmethod
+    def _supports_parallel_config(moe_parallel_config) -> bool:
+        return True  # EP layouts are validated when the engine config is built
+
+    def workspace_shapes(
+        self, M, N, K, topk, global_num_experts, local_num_experts, expert_tokens_meta, activation
+    ):
+        return (0,), (0,), (M, K)
+
+    def finalize_weight_and_reduce_impl(self) -> mk.TopKWeightAndReduce:
+        return TopKWeightAndReduceNoOP()
+
+    def apply(
+        self,
+        output: torch.Tensor,
+        hidden_states: torch.Tensor,
+        w1: torch.Tensor,
+        w2: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        activation: MoEActivation,
+        global_num_experts: int,
+        expert_map: torch.Tensor | None,
+        a1q_scale: torch.Tensor | None,
+        a2_scale: torch.Tensor | None,
+        workspace13: torch.Tensor,
+        workspace2: torch.Tensor,
+        expert_tokens_meta,
+        apply_router_weight_on_input: bool,
+    ) -> None:
+        # topk_ids are global (physical) expert ids; the placement inside FlashMoE maps them to
+        # (rank, local slot), so vLLM's expert_map is not needed here.
+        self.flashmoe(
+            hidden_states,
+            topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32),
+            topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float(),
+            w1,
+            w2,
+            out=output,
+        )
+        return None

@@ -1,0 +1,225 @@
+"""The unquantized MoE method that vLLM instantiates when the plugin is loaded.
+
+Registered out-of-tree under ``UnquantizedFusedMoEMethod`` (vLLM looks OOT classes up by the
+in-tree class name), so every unquantized MoE layer is built through it, whatever the
+``--moe-backend``. Without ``--moe-backend flashmoe`` it is exactly vLLM's method. With it:
+
+- ``__init__`` lets vLLM's oracle pick its own kernel as if ``moe_backend`` were ``auto`` (that is
+  the per-layer fallback, and no oracle ever sees the name ``flashmoe``);
+- ``process_weights_after_loading`` leaves the weights in vLLM's layout (``w13 [E_local, 2I, H]``
+  gate rows first, ``w2 [E_local, H, I]``), gathers the EP placement, and builds the layer's
+  :class:`flashmoe.FlashMoE`. That happens while vLLM loads the model, before it profiles memory
+  and captures CUDA graphs, so the process-wide symmetric buffers are counted against the KV
+  cache and exist at fixed addresses when graphs are captured.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from flashmoe import ExpertPlacement, FlashMoE, MoELayerSpec, metrics
+from flashmoe.backend import REFERENCE
+from flashmoe.config import env, env_flag, env_int
+from flashmoe.errors import FlashMoEError, FlashMoEUnsupported
+from vllm.model_executor.layers.fused_moe import modular_kernel as mk
+from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+from . import compat
+from .kernel import FlashMoEExperts, FlashMoEPrepareFinalize
+from .log import logger
+
+# One log line per distinct (backend, reason, shape) per process, not one per layer.
+_logged_layer_types: set[tuple] = set()
+
+
+class FlashMoEUnquantizedMethod(UnquantizedFusedMoEMethod):
+    def __init__(self, moe):
+        self.serves_flashmoe = moe.moe_backend == compat.BACKEND_NAME
+        self.flashmoe: FlashMoE | None = None
+        self.fallback_reason: str | None = None
+        if not self.serves_flashmoe:
+            super().__init__(moe)
+            return
+        # vLLM's oracle rejects unknown names; let it choose what it would under "auto" (used if
+        # this layer falls back), then put the name back for anything reading the config later.
+        moe.moe_backend = "auto"
+        try:
+            super().__init__(moe)
+        finally:
+            moe.moe_backend = compat.BACKEND_NAME
+
+    @property
+    def is_monolithic(self) -> bool:
+        # vLLM 0.26 forces its CPU MoE onto the monolithic path; ours is always modular.
+        if self.serves_flashmoe and self.fallback_reason is None:
+            return False
+        return super().is_monolithic
+
+    @property
+    def supports_eplb(self) -> bool:
+        # The placement is fixed when the layer is built (the engine config refuses EPLB earlier,
+        # with a message; this keeps RoutedExperts' own check consistent).
+        return not self.serves_flashmoe and super().supports_eplb
+
+    def process_weights_after_loading(self, layer) -> None:
+        if not self.serves_flashmoe or self.fallback_reason is not None:
+            return super().process_weights_after_loading(layer)
+        if self.moe_kernel is not None:
+            # A weight reload: loaders copied into the same parameters, which FlashMoE reads on
+            # every call, and CUDA graphs hold those addresses. Nothing to rebuild.
+            return
+
+        reason = unsupported_layer_reason(layer, self.moe)
+        if reason is None:
+            try:
+                self.flashmoe = build_flashmoe(layer, self.moe)
+            except FlashMoEUnsupported:
+                raise  # FLASHMOE_STRICT / FLASHMOE_BACKEND=megakernel: the user asked for an error
+            except FlashMoEError as e:  # JIT build or NVSHMEM init failed on this worker
+                if env_flag("FLASHMOE_STRICT"):
+                    raise
+                reason = f"{type(e).__name__}: {e}"
+            else:
+                if self.flashmoe.backend == REFERENCE and _megakernel_expected(self.flashmoe.device):
+                    reason = self.flashmoe.reason
+        elif env_flag("FLASHMOE_STRICT"):
+            raise FlashMoEUnsupported(f"{layer.layer_name}: flashmoe cannot serve this layer: {reason}")
+
+        if reason is not None:
+            self.fallback_reason = reason
+            self.flashmoe = None
+            metrics.record_fallback(reason)
+            _log_once(
+                ("fallback", reason),
+                "flashmoe: %s falls back to vLLM's %s kernel: %s",
+                layer.layer_name,
+                self.unquantized_backend.value,
+                reason,
+            )
+            return super().process_weights_after_loading(layer)
+
+        self.moe_quant_config = self.get_fused_moe_quant_config(layer)
+        self.moe_kernel = mk.FusedMoEKernel(
+            FlashMoEPrepareFinalize(),
+            FlashMoEExperts(self.moe, self.moe_quant_config, self.flashmoe),
+        )
+        _log_layer(self.flashmoe)
+
+
+def unsupported_layer_reason(layer, moe) -> str | None:
+    """What in this layer's definition the flashmoe op does not compute (None if it does)."""
+    if moe.activation != MoEActivation.SILU or not moe.is_act_and_mul:
+        return f"activation {moe.activation.value} (flashmoe computes SwiGLU: silu(gate) * up)"
+    if moe.has_bias:
+        return "expert biases"
+    if layer.apply_router_weight_on_input:
+        return "router weights applied on the input"
+    if getattr(moe, "is_lora_enabled", False):
+        return "LoRA on experts"
+    if getattr(layer, "swiglu_limit", None) is not None or getattr(layer, "swiglu_alpha", None) is not None:
+        return "clamped/scaled SwiGLU parameters"
+    return None
+
+
+def build_flashmoe(layer, moe) -> FlashMoE:
+    """The layer's FlashMoE over vLLM's EP group, sized from vLLM's configs."""
+    from vllm.distributed import get_ep_group
+
+    ep = get_ep_group()
+    w13, w2 = layer.w13_weight, layer.w2_weight
+    placement = gather_placement(layer.expert_map, layer.global_num_experts, ep.cpu_group, ep.world_size)
+    max_tokens = env_int("FLASHMOE_MAX_TOKENS") or moe.max_num_tokens
+    spec = MoELayerSpec(
+        num_experts=layer.global_num_experts,
+        top_k=moe.experts_per_token,
+        hidden_size=w13.shape[2],  # the weights' (possibly padded) sizes are what the kernel reads
+        intermediate_size=w2.shape[2],
+        max_tokens_per_rank=max_tokens,
+        dtype=w13.dtype,
+    )
+    return FlashMoE(
+        spec,
+        placement,
+        ep.device_group,
+        cpu_group=ep.cpu_group,
+        layer_name=layer.layer_name,
+        device=w13.device,
+        quantized=False,
+    )
+
+
+def gather_placement(
+    expert_map: torch.Tensor | None, num_experts: int, cpu_group, world_size: int
+) -> ExpertPlacement:
+    """Every EP rank's ``expert_map`` (global id -> local slot, -1 elsewhere), all-gathered over
+    the gloo group: whatever ``--expert-placement-strategy`` vLLM used, this is what it loaded."""
+    if world_size == 1:
+        if expert_map is not None and bool((expert_map < 0).any()):
+            raise ValueError("EP world of 1 but the expert map leaves experts unowned")
+        return ExpertPlacement.contiguous(num_experts, 1)
+    if expert_map is None:
+        raise ValueError(f"EP world of {world_size} ranks but the layer has no expert_map")
+    local = expert_map.detach().to("cpu", torch.int32).contiguous()
+    maps = [torch.empty_like(local) for _ in range(world_size)]
+    dist.all_gather(maps, local, group=cpu_group)
+    return ExpertPlacement.from_expert_maps(maps)
+
+
+def _megakernel_expected(device: torch.device) -> bool:
+    """On CUDA the reference is a fallback unless the user forced it; on CPU it is the backend."""
+    return device.type == "cuda" and env("FLASHMOE_BACKEND").strip().lower() != REFERENCE
+
+
+def _log_layer(moe: FlashMoE) -> None:
+    s = moe.spec
+    key = (
+        moe.backend,
+        moe.reason,
+        s.num_experts,
+        s.top_k,
+        s.hidden_size,
+        s.intermediate_size,
+        s.max_tokens_per_rank,
+    )
+    owned = moe.placement.local_experts(moe.rank).tolist()
+    buffer_bytes = getattr(moe, "buffer_bytes", None)
+    _log_once(
+        key,
+        "flashmoe: MoE layers E=%d top_k=%d H=%d I=%d %s -> backend %s (%s); EP rank %d/%d owns %d experts %s; "
+        "max %d tokens/rank%s",
+        s.num_experts,
+        s.top_k,
+        s.hidden_size,
+        s.intermediate_size,
+        str(s.dtype).removeprefix("torch."),
+        moe.backend,
+        moe.reason,
+        moe.rank,
+        moe.world_size,
+        len(owned),
+        _ranges(owned),
+        s.max_tokens_per_rank,
+        f"; symmetric buffers {buffer_bytes} bytes (shared by all layers)"
+        if buffer_bytes is not None
+        else "",
+    )
+
+
+def _log_once(key: tuple, msg: str, *args) -> None:
+    if key in _logged_layer_types:
+        return
+    _logged_layer_types.add(key)
+    logger.info(msg, *args)
+
+
+def _ranges(ids: list[int]) -> str:
+    """[0, 1, 2, 5] -> '[0-2, 5]'."""
+    out, start = [], None
+    for i, e in enumerate(ids):
+        if start is None:
+            start = e
+        if i + 1 == len(ids) or ids[i + 1] != e + 1:
+            out.append(f"{start}-{e}" if e != start else f"{e}")
+            start = None
+    return "[" + ", ".join(out) + "]"

@@ -1,0 +1,166 @@
+"""Gets worker-process metrics onto an HTTP server's ``/metrics`` when prometheus multiprocess mode is off.
+
+vLLM serves ``/metrics`` from its API-server process, but the MoE layers run in EngineCore/worker
+processes. vLLM reads other processes' metrics only through ``PROMETHEUS_MULTIPROC_DIR``, which it
+sets only with ``--api-server-count > 1``; and by the time a plugin loads, the API server has
+imported prometheus_client in single-process mode, which cannot be switched afterwards. So with one
+API server and no user-set ``PROMETHEUS_MULTIPROC_DIR``:
+
+- the serving process calls :func:`install_consumer` (the vLLM plugin's ``register()``, before the
+  engine is spawned): it makes a private directory, exports ``FLASHMOE_METRICS_BRIDGE_DIR`` to the
+  processes it spawns, and registers a collector that merges the files found there;
+- each worker (:func:`producer_path`) writes its flashmoe metrics to ``<dir>/flashmoe-<pid>.prom``
+  in the Prometheus text format (``write_to_textfile``: atomic rename) about once a second.
+
+Workers with a per-rank exporter (``FLASHMOE_METRICS_PORT``) do not write snapshots: a scrape of
+both would count every series twice. Only public prometheus_client APIs are used (text exposition and its parser). Files of dead
+processes are dropped at scrape time; the serving process skips its own file (its metrics are in
+its registry already).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import re
+import shutil
+import tempfile
+
+from .config import env, env_int
+
+logger = logging.getLogger("flashmoe")
+
+BRIDGE_ENV = "FLASHMOE_METRICS_BRIDGE_DIR"
+_FILE_RE = re.compile(r"^flashmoe-(\d+)\.prom$")
+_SUMMED_TYPES = ("counter", "histogram", "summary", "unknown", "untyped")
+
+_consumer_dir: str | None = None
+
+
+def multiprocess_dir() -> str | None:
+    return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or os.environ.get("prometheus_multiproc_dir") or None
+
+
+def install_consumer(registry=None) -> str | None:
+    """Make this process serve its child processes' flashmoe metrics; return the bridge directory.
+
+    No-op (None) when prometheus multiprocess mode is on (its own collector already merges every
+    process) or when this process is itself a child of a consumer. Idempotent.
+    """
+    global _consumer_dir
+    if _consumer_dir is not None:
+        return _consumer_dir
+    if multiprocess_dir() is not None or env(BRIDGE_ENV):
+        return None
+    import prometheus_client
+
+    path = tempfile.mkdtemp(prefix="flashmoe-metrics-")
+    os.environ[BRIDGE_ENV] = path
+    (registry if registry is not None else prometheus_client.REGISTRY).register(WorkerFilesCollector(path))
+    atexit.register(shutil.rmtree, path, True)
+    _consumer_dir = path
+    logger.debug("flashmoe metrics: serving worker metrics from %s", path)
+    return path
+
+
+def producer_path() -> str | None:
+    """Where this process should write its metrics, or None when it need not."""
+    if multiprocess_dir() is not None:
+        return None
+    if env_int("FLASHMOE_METRICS_PORT") > 0:
+        return None  # the per-rank exporter serves these series; bridging them too would double-count
+    path = env(BRIDGE_ENV)
+    if not path or path == _consumer_dir:
+        return None  # not spawned under a consumer, or we are the consumer (metrics already in REGISTRY)
+    return os.path.join(path, f"flashmoe-{os.getpid()}.prom")
+
+
+def write_snapshot(path: str, registry) -> None:
+    from prometheus_client import write_to_textfile
+
+    write_to_textfile(path, registry)
+
+
+def remove_snapshot(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+class WorkerFilesCollector:
+    """A prometheus_client collector over the snapshot files of live worker processes.
+
+    Families with the same name from several workers are merged into one (Prometheus rejects a
+    repeated ``# TYPE``); identical series are summed for counters and histograms (e.g. the same
+    fallback reason on two ranks) and take the maximum for gauges.
+    """
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def collect(self):
+        from prometheus_client.parser import text_string_to_metric_families
+
+        merged = {}
+        for text in self._live_snapshots():
+            try:
+                families = list(text_string_to_metric_families(text))
+            except ValueError as e:  # a writer from another prometheus_client version, or a bug
+                logger.warning("flashmoe metrics: skipping an unreadable worker snapshot: %s", e)
+                continue
+            for family in families:
+                into = merged.get(family.name)
+                if into is None:
+                    merged[family.name] = (family, {self._key(s): s for s in family.samples})
+                    continue
+                first, samples = into
+                for s in family.samples:
+                    key = self._key(s)
+                    old = samples.get(key)
+                    if old is None:
+                        samples[key] = s
+                    elif first.type in _SUMMED_TYPES:
+                        samples[key] = old._replace(value=old.value + s.value)
+                    else:
+                        samples[key] = old._replace(value=max(old.value, s.value))
+        for family, samples in merged.values():
+            family.samples = list(samples.values())
+            yield family
+
+    @staticmethod
+    def _key(sample):
+        return sample.name, tuple(sorted(sample.labels.items()))
+
+    def _live_snapshots(self):
+        try:
+            names = sorted(os.listdir(self.path))
+        except FileNotFoundError:
+            return
+        for name in names:
+            m = _FILE_RE.match(name)
+            if m is None:
+                continue
+            pid = int(m.group(1))
+            file = os.path.join(self.path, name)
+            if pid == os.getpid():
+                continue
+            if not _alive(pid):
+                remove_snapshot(file)  # a worker that died without cleaning up; its series go away
+                continue
+            try:
+                with open(file) as f:
+                    yield f.read()
+            except FileNotFoundError:
+                continue
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,198 @@
+"""A tiny Qwen3-MoE checkpoint and tokenizer made locally (no hub access), for tests and the demo.
+
+    python -m flashmoe.tiny_model /tmp/tiny-qwen3-moe
+
+Same architecture as Qwen3-30B-A3B (``Qwen3MoeForCausalLM``: every layer sparse, top-k routing
+without renormalisation, SwiGLU experts), shrunk to 2 layers of 8 experts, top-2, hidden 128,
+expert intermediate 64: about 1.3 MB of bf16 safetensors. The sizes are multiples of 32 so vLLM's
+own CPU MoE kernel can run it too. Weights are random but seeded, so a directory made twice with
+the same seed is byte-for-byte the same model.
+
+The tokenizer is a word-level ``tokenizers`` model over synthetic two-syllable words, split on
+whitespace; :func:`prompt_words` gives prompts it encodes without unknown tokens.
+
+Needs ``transformers`` and ``tokenizers`` (both come with vLLM and SGLang).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+from pathlib import Path
+
+SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<pad>")  # ids 0..3: unk, bos, eos, pad
+VOCAB_SIZE = 512
+NUM_EXPERTS = 8
+TOP_K = 2
+HIDDEN_SIZE = 128
+MOE_INTERMEDIATE_SIZE = 64
+# Random init at HF's default scale (0.02) gives nearly flat logits and a model that repeats one
+# token whatever the prompt; a larger scale makes greedy outputs depend on the prompt and on the
+# experts, which is what the tests need to tell a wrong MoE from a right one.
+INITIALIZER_RANGE = 0.08
+
+_CONSONANTS = "bdfgklmnprstvz"
+_VOWELS = "aeiou"
+
+
+def vocabulary() -> list[str]:
+    """The 508 words after the special tokens: 'baba', 'babe', ... (deterministic)."""
+    syllables = [c + v for c in _CONSONANTS for v in _VOWELS]
+    words = (a + b for a, b in itertools.product(syllables, repeat=2))
+    return list(SPECIAL_TOKENS) + list(itertools.islice(words, VOCAB_SIZE - len(SPECIAL_TOKENS)))
+
+
+def prompt_words(n: int, seed: int) -> str:
+    """``n`` in-vocabulary words, chosen by ``seed`` (a prompt the tokenizer maps 1:1 to ids)."""
+    import random
+
+    words = vocabulary()[len(SPECIAL_TOKENS) :]
+    rng = random.Random(seed)
+    return " ".join(rng.choice(words) for _ in range(n))
+
+
+def qwen3_moe_config(dtype: str = "bfloat16"):
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=HIDDEN_SIZE,
+        intermediate_size=256,  # dense MLP size; unused (every layer is sparse)
+        moe_intermediate_size=MOE_INTERMEDIATE_SIZE,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_experts=NUM_EXPERTS,
+        num_experts_per_tok=TOP_K,
+        norm_topk_prob=False,
+        max_position_embeddings=512,
+        initializer_range=INITIALIZER_RANGE,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=3,
+        tie_word_embeddings=False,
+        torch_dtype=dtype,
+    )
+
+
+def make_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(vocabulary())}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
+
+
+# The Qwen3-30B-A3B architecture (its config.json), for GPU serving runs without hub access:
+# random weights, the real shapes; ``num_hidden_layers`` can be lowered to shorten load time.
+QWEN3_30B_A3B = dict(
+    vocab_size=151936,
+    hidden_size=2048,
+    intermediate_size=6144,
+    moe_intermediate_size=768,
+    num_hidden_layers=48,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    num_experts=128,
+    num_experts_per_tok=8,
+    norm_topk_prob=True,
+    max_position_embeddings=40960,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    initializer_range=0.02,
+)
+
+
+def make_qwen3_30b_a3b_shaped(
+    path: str | Path, num_layers: int = 48, seed: int = 0, device: str = "cuda"
+) -> Path:
+    """A random-weight bf16 checkpoint with Qwen3-30B-A3B's shapes (~61 GB at 48 layers), plus the
+    tiny word-level tokenizer (its 512 ids are valid in the 151936-entry vocabulary).
+    Initialised on ``device`` (a GPU makes 30B random parameters take seconds, not minutes)."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = Qwen3MoeConfig(
+        **{**QWEN3_30B_A3B, "num_hidden_layers": num_layers},
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=3,
+        torch_dtype="bfloat16",
+    )
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = Qwen3MoeForCausalLM._from_config(cfg, dtype=torch.bfloat16).eval()
+    model.save_pretrained(path, safe_serialization=True, max_shard_size="5GB")
+    make_tokenizer().save_pretrained(path)
+    return path
+
+
+def make_tiny_qwen3_moe(path: str | Path, seed: int = 0) -> Path:
+    """Write config, bf16 safetensors weights and tokenizer to ``path`` (created); return it.
+
+    Idempotent: a directory already holding a model made by this function is left as is.
+    """
+    import torch
+    from transformers import Qwen3MoeForCausalLM
+
+    path = Path(path)
+    marker = path / "flashmoe_tiny_model.json"
+    if marker.exists() and json.loads(marker.read_text()).get("seed") == seed:
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(qwen3_moe_config()).to(torch.bfloat16).eval()
+    model.save_pretrained(path, safe_serialization=True)
+    make_tokenizer().save_pretrained(path)
+    marker.write_text(json.dumps({"seed": seed, "architecture": "Qwen3MoeForCausalLM"}))
+    return path
+
+
+def greedy_reference(path: str | Path, prompts: list[str], max_tokens: int, dtype=None) -> list[list[int]]:
+    """Greedy continuations of ``prompts`` computed by transformers' Qwen3MoeForCausalLM, outside
+    any serving engine: the ground truth the engines' token ids are compared with."""
+    import torch
+    from transformers import AutoTokenizer, Qwen3MoeForCausalLM
+
+    dtype = dtype or torch.float32
+    tok = AutoTokenizer.from_pretrained(path)
+    model = Qwen3MoeForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    out = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = tok(p)["input_ids"]
+            start = len(ids)
+            for _ in range(max_tokens):  # plain argmax loop: no EOS handling, like ignore_eos=True
+                logits = model(torch.tensor([ids])).logits[0, -1]
+                ids.append(int(torch.argmax(logits)))
+            out.append(ids[start:])
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("path", help="output directory")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--qwen3-30b-a3b", action="store_true", help="Qwen3-30B-A3B shapes instead of the tiny model"
+    )
+    ap.add_argument("--num-layers", type=int, default=48, help="layers of the --qwen3-30b-a3b checkpoint")
+    ap.add_argument("--device", default="cuda", help="where --qwen3-30b-a3b weights are initialised")
+    args = ap.parse_args()
+    if args.qwen3_30b_a3b:
+        print(make_qwen3_30b_a3b_shaped(args.path, args.num_layers, args.seed, args.device))
+    else:
+        print(make_tiny_qwen3_moe(args.path, args.seed))
+
+
+if __name__ == "__main__":
+    main()
