@@ -58,16 +58,15 @@ EOF
     $SPIP torch==2.14.1 torchvision==0.29.1
     $SPIP --no-deps "sglang==$SGLANG_VERSION"
     "$SGLANG_PY" - > .venv-sglang/requirements.txt <<'EOF'
-import importlib.metadata as m
-from packaging.requirements import Requirement
+import importlib.metadata as m, re
 used = {"aiohttp", "apache-tvm-ffi", "compressed-tensors", "einops", "fastapi", "gguf", "ipython", "msgspec",
         "openai", "orjson", "partial-json-parser", "pillow", "psutil", "pybase64", "pydantic", "python-multipart",
         "pyzmq", "requests", "sentencepiece", "setproctitle", "soundfile", "transformers", "uvicorn", "uvloop",
         "xgrammar"}
-for line in m.requires("sglang"):
-    r = Requirement(line)
-    if r.name.lower().replace("_", "-") in used and (r.marker is None or r.marker.evaluate({"extra": ""})):
-        print(str(r).split(";")[0])
+for line in m.requires("sglang"):  # none of the used ones carries a marker; extras and platform pins do
+    name = re.match(r"[A-Za-z0-9_.-]+", line).group(0).lower().replace("_", "-")
+    if name in used and ";" not in line:
+        print(line)
 print("starlette\njsonschema")
 EOF
     $SPIP -r .venv-sglang/requirements.txt

@@ -193,6 +193,7 @@ def test_config_draw_is_reproducible_covers_the_grid_and_favours_small_shapes():
 
 
 @pytest.mark.timeout(200)
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU harness check; on a GPU machine FlashMoE picks the megakernel")
 def test_harness_runs_on_cpu_with_reference_backend(tmp_path):
     """The GPU runner's rank code, over gloo with the CPU reference backend: all checks pass and the
     records carry the fields the report needs."""

@@ -17,7 +17,9 @@ Two kinds of comparison:
   reduction length H: measured on 4xH200 (matrix of 60 shapes x worlds 1/2/4, results committed) 5e-4 at
   H=1024, 9e-4 at H=2048 and up to 1.6e-3 (0.42 U) at H=4096/7168, while the kernel's error against
   the fp64 oracle stayed the reference's own (2.4e-3 to 2.9e-3). Budget: ``U / 2`` for the batch,
-  ``2 U`` for any row. A dropped or doubled (token, expert) pair fails the row bound by an order of
+  ``2 U`` for any row; a batch of fewer than ``MIN_ROWS_FOR_BATCH_BUDGET`` non-zero rows averages too few
+  rows for the batch figure to mean more than a row's, so it gets the row budget (seen on an H100: one
+  row with H=7168, I=256 at 2.0e-3, where 256 activations make each flip count more). A dropped or doubled (token, expert) pair fails the row bound by an order of
   magnitude; a rounding the semantics do not have shows up against the oracle.
 
 Rows whose exact value is zero (every slot -1) must come out exactly zero.
@@ -35,6 +37,7 @@ ORACLE_REL_FRO = 2 * BF16_UNIT_ROUNDOFF
 ORACLE_ROW_REL = 3 * BF16_UNIT_ROUNDOFF
 SAME_ROUNDING_REL_FRO = BF16_UNIT_ROUNDOFF / 2
 SAME_ROUNDING_ROW_REL = 2 * BF16_UNIT_ROUNDOFF
+MIN_ROWS_FOR_BATCH_BUDGET = 16
 
 
 @dataclass
@@ -47,6 +50,7 @@ class ErrorStats:
     max_row_rel: float = 0.0  # over rows with a non-zero reference
     nonzero_in_zero_rows: int = 0  # elements != 0 where the reference row is exactly zero
     nonfinite: int = 0  # NaN/Inf elements in the output (unwritten rows of a NaN-poisoned out=)
+    rows: int = 0  # rows with a non-zero reference
 
     @property
     def rel_fro(self) -> float:
@@ -58,7 +62,7 @@ class ErrorStats:
         return (
             self.nonfinite == 0
             and self.nonzero_in_zero_rows == 0
-            and self.rel_fro <= rel_fro
+            and self.rel_fro <= (rel_fro if self.rows >= MIN_ROWS_FOR_BATCH_BUDGET else max(rel_fro, row_rel))
             and self.max_row_rel <= row_rel
         )
 
@@ -70,12 +74,13 @@ class ErrorStats:
             max(self.max_row_rel, other.max_row_rel),
             self.nonzero_in_zero_rows + other.nonzero_in_zero_rows,
             self.nonfinite + other.nonfinite,
+            self.rows + other.rows,
         )
 
     def as_tensor(self, device) -> tuple[torch.Tensor, torch.Tensor]:
         """(sums, maxima) float64 tensors, for all_reduce(SUM) and all_reduce(MAX)."""
         sums = torch.tensor(
-            [self.err_sq, self.ref_sq, self.nonzero_in_zero_rows, self.nonfinite],
+            [self.err_sq, self.ref_sq, self.nonzero_in_zero_rows, self.nonfinite, self.rows],
             dtype=torch.float64,
             device=device,
         )
@@ -85,7 +90,7 @@ class ErrorStats:
     @classmethod
     def from_tensors(cls, sums: torch.Tensor, maxima: torch.Tensor) -> ErrorStats:
         s, m = sums.tolist(), maxima.tolist()
-        return cls(s[0], s[1], m[0], m[1], int(s[2]), int(s[3]))
+        return cls(s[0], s[1], m[0], m[1], int(s[2]), int(s[3]), int(s[4]))
 
 
 def error_stats(out: torch.Tensor, ref: torch.Tensor) -> ErrorStats:
@@ -105,6 +110,7 @@ def error_stats(out: torch.Tensor, ref: torch.Tensor) -> ErrorStats:
         max_row_rel=float(row_rel.max()) if row_rel.numel() else 0.0,
         nonzero_in_zero_rows=int((o[zero_rows] != 0).sum()),
         nonfinite=nonfinite,
+        rows=int(row_rel.numel()),
     )
 
 

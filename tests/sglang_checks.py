@@ -1,0 +1,250 @@
+"""Checks that run inside the SGLang virtualenv (.venv-sglang); tests/test_sglang_integration.py drives them.
+
+SGLang pins a CUDA torch that cannot share an environment with the CPU torch the rest of the suite
+uses, so these run as subprocesses and print one JSON line (``RESULT {...}``) for the test to assert on.
+
+    python tests/sglang_checks.py config MODEL_DIR
+    python tests/sglang_checks.py layer MODEL_DIR RANK WORLD PORT
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import os
+import sys
+import traceback
+
+
+def _emit(result: dict) -> None:
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def _error(fn) -> str | None:
+    """The exception ``fn()`` raises, as 'Type: message', or None."""
+    try:
+        fn()
+    except BaseException as e:  # argparse exits with SystemExit
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def check_config(model_dir: str) -> dict:
+    """Plugin loading, hook targets, CLI parsing and server-argument resolution (the launcher side)."""
+    import pkgutil
+
+    out: dict = {"prometheus_before": "prometheus_client" in sys.modules}
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()  # the real loader: entry point -> flashmoe.integration.sglang:register -> apply_hooks
+    out["prometheus_after_plugins"] = "prometheus_client" in sys.modules
+
+    from flashmoe.integration.sglang import hooks
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    out["unresolved_targets"] = [
+        t
+        for t in (*hooks.RUNTIME_HOOKS, *hooks.EXTENSION_POINTS)
+        if _error(lambda t=t: pkgutil.resolve_name(t))
+    ]
+    out["applied"] = hooks.runtime_hooks_applied()
+    out["wrapped"] = {
+        t: getattr(pkgutil.resolve_name(t), "__wrapped__", None) is not None for t in hooks.RUNTIME_HOOKS
+    }
+    out["registry_sources"] = sorted(
+        {src.plugin_name for t in hooks.RUNTIME_HOOKS for _, _, src in HookRegistry._hooks[t] if src}
+    )
+
+    from sglang.srt.layers.moe.utils import resolve_moe_runner_backend
+    from sglang.srt.server_args import ServerArgs, prepare_server_args
+
+    out["runner_resolves"] = type(resolve_moe_runner_backend("flashmoe")).__name__
+    out["unknown_runner_error"] = _error(lambda: resolve_moe_runner_backend("no_such_backend"))
+
+    def parse(argv):
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            try:
+                return prepare_server_args(argv), ""
+            except SystemExit:
+                return None, err.getvalue()
+
+    sa, _ = parse(
+        [
+            "--model-path",
+            model_dir,
+            "--moe-runner-backend",
+            "flashmoe",
+            "--tp-size",
+            "2",
+            "--attn-dp-size",
+            "2",
+        ]
+    )
+    out["cli_flashmoe_parses"] = sa is not None and sa.moe_runner_backend == "flashmoe"
+    _, err = parse(["--model-path", model_dir, "--moe-runner-backend", "no_such_backend"])
+    out["cli_unknown_error"] = err.strip().splitlines()[-1] if err.strip() else ""
+
+    from sglang.srt.arg_groups.model_override_base import resolved_view
+
+    def resolve(**kw):
+        args = dict(model_path=model_dir, skip_tokenizer_init=True, moe_runner_backend="flashmoe")
+        args.update(kw)
+        sa = ServerArgs(**args)  # what Engine(**kwargs) builds
+        sa.resolve_once()
+        v = resolved_view(sa)
+        return {
+            "moe_a2a_backend": v.moe_a2a_backend,
+            "moe_runner_backend": v.moe_runner_backend,
+            "ep_size": v.ep_size,
+            "disable_shared_experts_fusion": v.disable_shared_experts_fusion,
+        }
+
+    out["cpu"] = resolve(device="cpu", tp_size=2, attn_dp_size=2)
+    out["cpu_tp1"] = resolve(device="cpu", tp_size=1)
+    # No GPU here, so the megakernel is unavailable on "cuda": SGLang's own path takes the layers.
+    out["cuda_fallback"] = resolve(device="cuda", tp_size=2, attn_dp_size=2)
+    out["tbo_error"] = _error(
+        lambda: resolve(device="cpu", tp_size=2, attn_dp_size=2, enable_two_batch_overlap=True)
+    )
+    out["no_dp_attention_error"] = _error(lambda: resolve(device="cpu", tp_size=2))
+    out["a2a_conflict_error"] = _error(
+        lambda: resolve(device="cpu", tp_size=2, attn_dp_size=2, moe_a2a_backend="deepep")
+    )
+    os.environ["FLASHMOE_STRICT"] = "1"
+    out["strict_cuda_error"] = _error(lambda: resolve(device="cuda", tp_size=2, attn_dp_size=2))
+    del os.environ["FLASHMOE_STRICT"]
+    out["unrelated_untouched"] = resolve(device="cpu", tp_size=2, attn_dp_size=2, moe_runner_backend="auto")
+    out["prometheus_end"] = "prometheus_client" in sys.modules
+    return out
+
+
+def check_layer(model_dir: str, rank: int, world: int, port: int) -> dict:
+    """One scheduler rank: SGLang's distributed init, a Qwen3-MoE sparse block built and loaded by
+    SGLang, its forward through flashmoe, compared with an independent fp64 computation."""
+    import torch
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    import flashmoe
+    from flashmoe.integration.sglang import runtime
+    from sglang.srt.distributed.bootstrap import init_parallel_runtime
+    from sglang.srt.layers.moe import initialize_moe_config
+    from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
+    from sglang.srt.layers.moe.utils import post_experts_output_is_complete, reduce_moe_output
+    from sglang.srt.models.qwen3_moe import Qwen3MoeSparseMoeBlock
+    from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish
+    from sglang.srt.server_args import ServerArgs
+    from transformers import AutoConfig
+
+    sa = ServerArgs(
+        model_path=model_dir,
+        moe_runner_backend="flashmoe",
+        tp_size=world,
+        attn_dp_size=world,
+        device="cpu",
+        dtype="bfloat16",
+        skip_tokenizer_init=True,
+    )
+    publish(sa, role="scheduler", ranks=SpawnRanks(world_rank=rank, gpu_id=rank))
+    init_parallel_runtime(server_args=sa, device="cpu", dist_port=port)
+    initialize_moe_config()
+    parallel = get_parallel()
+    out: dict = {"moe_ep_size": parallel.moe_ep_size, "moe_ep_rank": parallel.moe_ep_rank}
+
+    hf = AutoConfig.from_pretrained(model_dir)
+    E, k, H, I = hf.num_experts, hf.num_experts_per_tok, hf.hidden_size, hf.moe_intermediate_size
+    torch.set_default_dtype(torch.bfloat16)
+    block = Qwen3MoeSparseMoeBlock(layer_id=0, config=hf, prefix="model.layers.0.mlp")
+    experts: FusedMoE = block.experts
+    out["dispatcher"] = type(experts.dispatcher).__name__
+    out["w13_shape"] = list(experts.w13_weight.shape)
+
+    # The same global checkpoint on every rank; SGLang's own loader shards it (gate -> w13[:I], up -> w13[I:]).
+    g = torch.Generator().manual_seed(1234)
+    gate_proj = torch.randn(E, I, H, generator=g) / H**0.5
+    up_proj = torch.randn(E, I, H, generator=g) / H**0.5
+    down_proj = torch.randn(E, H, I, generator=g) / I**0.5
+    router = torch.randn(E, H, generator=g) / H**0.5
+    ckpt = {"gate_proj": gate_proj, "up_proj": up_proj, "down_proj": down_proj}
+    params = dict(experts.named_parameters())
+    for param_name, weight_name, expert_id, shard_id in FusedMoE.make_expert_params_mapping(
+        "gate_proj", "down_proj", "up_proj", E
+    ):
+        param = params[param_name.removeprefix("experts.") + "weight"]
+        tensor = ckpt[weight_name.split(".")[-2]][expert_id].to(torch.bfloat16)
+        param.weight_loader(param, tensor, param_name + "weight", shard_id=shard_id, expert_id=expert_id)
+    block.gate.weight.data.copy_(router.to(torch.bfloat16))
+
+    # What ModelRunner.load_model's hook does after the weights are in place.
+    runtime.load_model_hook(None, _LoadedRunner(block))
+    op = getattr(experts, runtime.LAYER_ATTR)
+    out["backend"] = op.backend
+
+    out["output_complete"] = post_experts_output_is_complete(is_tp_path=True)
+    probe = torch.full((2, H), float(rank + 1), dtype=torch.bfloat16)
+    out["reduce_is_identity"] = bool(torch.equal(reduce_moe_output(probe.clone()), probe))
+
+    results = []
+    # Uneven token counts per rank, and a call where rank 1 brings no tokens at all.
+    for step, counts in enumerate(([5, 3], [7, 0])):
+        T = counts[rank % 2]
+        x = torch.randn(T, H, generator=torch.Generator().manual_seed(100 * step + rank)).to(torch.bfloat16)
+        y = block(x)
+        expected = _expected(x, router, gate_proj, up_proj, down_proj, k)
+        err = (y.double() - expected).abs().max().item() if T else 0.0
+        results.append(
+            {
+                "tokens": T,
+                "shape": list(y.shape),
+                "dtype": str(y.dtype),
+                "max_abs_err": err,
+                "scale": expected.abs().max().item() if T else 0.0,
+            }
+        )
+    out["calls"] = results
+    out["flashmoe_version"] = flashmoe.__version__
+    return out
+
+
+class _LoadedRunner:
+    """What the load_model hook reads off SGLang's ModelRunner: the loaded model."""
+
+    def __init__(self, model):
+        self.model = model
+
+
+def _expected(x, router, gate_proj, up_proj, down_proj, k):
+    """Qwen3-MoE's routed experts in float64, from the checkpoint tensors (independent of SGLang and flashmoe)."""
+    import torch
+
+    # The router GEMM exactly as SGLang's ReplicatedLinear runs it (bf16 F.linear), so top-k picks match.
+    logits = torch.nn.functional.linear(x, router.to(torch.bfloat16)).float()
+    probs = torch.softmax(logits, dim=-1)
+    w, ids = torch.topk(probs, k, dim=-1)
+    w = w / w.sum(-1, keepdim=True)  # norm_topk_prob
+    w13 = torch.cat([gate_proj, up_proj], dim=1).to(torch.bfloat16)
+    from flashmoe import moe_oracle_fp64
+
+    return moe_oracle_fp64(x, ids.to(torch.int32), w.float(), w13, down_proj.to(torch.bfloat16))
+
+
+def main(argv: list[str]) -> int:
+    logging.basicConfig(level=logging.WARNING)
+    try:
+        if argv[0] == "config":
+            _emit(check_config(argv[1]))
+        elif argv[0] == "layer":
+            _emit(check_layer(argv[1], int(argv[2]), int(argv[3]), int(argv[4])))
+        else:
+            raise SystemExit(f"unknown check {argv[0]!r}")
+    except Exception:
+        traceback.print_exc()
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
