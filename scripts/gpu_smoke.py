@@ -90,7 +90,7 @@ def worker(rank, world, port, out_q, which):
                 out = torch.full_like(x, float("nan"))
                 moe(x, ids, w, w13[loc].contiguous(), w2[loc].contiguous(), out=out)
                 megakernel.synchronize_and_check()
-                X = torch.cat([a for a, _, _ in xs]); IDS = torch.cat([b for _, b, _ in xs]); W = torch.cat([c for _, _, c in xs])
+                X, IDS, W = (torch.cat([inp[i] for inp in xs]) for i in range(3))
                 ref_all = moe_reference(X, IDS, W, w13, w2)
                 start = sum(Ts[r % len(Ts)] for r in range(rank))
                 ref = ref_all[start : start + x.shape[0]]
@@ -129,11 +129,12 @@ def worker(rank, world, port, out_q, which):
         replays = 200
         for it in range(replays):
             xs = [make_inputs(E, k, H, I, T, "uniform", 10_000 + it * world + r, dev) for r in range(world)]
-            sx.copy_(xs[rank][0]); sids.copy_(xs[rank][1]); sw.copy_(xs[rank][2])
+            for static, new in zip((sx, sids, sw), xs[rank], strict=True):
+                static.copy_(new)
             g.replay()
             if it % 50 == 0 or it == replays - 1:
                 megakernel.synchronize_and_check()
-                X = torch.cat([a for a, _, _ in xs]); IDS = torch.cat([b for _, b, _ in xs]); W = torch.cat([c for _, _, c in xs])
+                X, IDS, W = (torch.cat([inp[i] for inp in xs]) for i in range(3))
                 ref = moe_reference(X, IDS, W, w13, w2)[rank * T : (rank + 1) * T]
                 worst = max(worst, rel_err(sout, ref))
         record("graph_replay", worst < 1e-2, replays=replays, worst_rel_err=worst)
@@ -193,7 +194,9 @@ def worker(rank, world, port, out_q, which):
 
 
 def free_port():
-    s = socket.socket(); s.bind(("127.0.0.1", 0)); p = s.getsockname()[1]; s.close(); return p
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def main():
@@ -202,7 +205,6 @@ def main():
     ap.add_argument("--worlds", default="")
     ap.add_argument("--which", default="stress,timeout")
     args = ap.parse_args()
-    from flashmoe import jit
 
     t0 = time.time()
     import subprocess

@@ -61,13 +61,13 @@ EOF
 import importlib.metadata as m, re
 used = {"aiohttp", "apache-tvm-ffi", "compressed-tensors", "einops", "fastapi", "gguf", "ipython", "msgspec",
         "openai", "orjson", "partial-json-parser", "pillow", "psutil", "pybase64", "pydantic", "python-multipart",
-        "pyzmq", "requests", "sentencepiece", "setproctitle", "soundfile", "transformers", "uvicorn", "uvloop",
+        "pyzmq", "requests", "sentencepiece", "setproctitle", "soundfile", "tokenizers", "transformers", "uvicorn", "uvloop",
         "xgrammar"}
 for line in m.requires("sglang"):  # none of the used ones carries a marker; extras and platform pins do
     name = re.match(r"[A-Za-z0-9_.-]+", line).group(0).lower().replace("_", "-")
     if name in used and ";" not in line:
         print(line)
-print("starlette\njsonschema")
+print("starlette\njsonschema\ndill")  # imported by SGLang, not in its requirements
 EOF
     $SPIP -r .venv-sglang/requirements.txt
   fi
