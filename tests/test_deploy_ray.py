@@ -15,6 +15,7 @@ import json
 import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -82,9 +83,16 @@ ip link set lo up
 export RAY_USAGE_STATS_ENABLED=0 VLLM_CPU_KVCACHE_SPACE=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 cd "$WORK"
 common="--num-cpus 2 --num-gpus 0 --object-store-memory 100000000 --disable-usage-stats"
-setsid ray start --head --block --port 46379 --include-dashboard false --temp-dir "$WORK/ray" $common > head.log 2>&1 &
-for i in $(seq 60); do ray status --address 127.0.0.1:46379 > /dev/null 2>&1 && break; sleep 1; done
+setsid ray start --head --block --port 46379 --include-dashboard false --temp-dir "$RAY_TMP" $common > head.log 2>&1 &
+head=$!
+nodes_up() {
+  timeout 20 "$PY" -c "import ray, sys; ray.init(address='127.0.0.1:46379', logging_level='ERROR'); sys.exit(sum(n['Alive'] for n in ray.nodes()) < $1)" > /dev/null 2>&1
+}
+for i in $(seq 60); do nodes_up 1 && break; kill -0 $head 2> /dev/null || break; sleep 1; done
+nodes_up 1 || { echo "ray head did not start" > failure; exit 1; }
 setsid ray start --block --address 127.0.0.1:46379 $common > node2.log 2>&1 &
+for i in $(seq 60); do nodes_up 2 && break; sleep 1; done
+nodes_up 2 || { echo "second ray node did not join" > failure; exit 1; }
 started=$(date +%s)
 "$PY" -m flashmoe.deploy.ray serve "$MODEL" --nodes 2 --address 127.0.0.1:46379 --host 127.0.0.1 \
   --port 18000 --node-timeout 60 --ready-timeout 720 --poll-interval 1 --env VLLM_HOST_IP=127.0.0.1 \
@@ -137,15 +145,24 @@ def test_launcher_serves_dp2_ep_across_two_ray_nodes_on_cpu(tmp_path):
         "MODEL": str(model),
         "PROMPT": tiny_model.prompt_words(6, seed=1),
     }
+    # Ray puts AF_UNIX sockets under its temp dir: a pytest tmp_path is too long for them (108 bytes).
+    env["RAY_TMP"] = tempfile.mkdtemp(prefix="fmray-", dir="/tmp")
     start = time.monotonic()
     # --kill-child + the PID namespace: if this test is interrupted, everything inside dies with it.
-    subprocess.run(
-        ["unshare", "-r", "-n", "-p", "-f", "-m", "--mount-proc", "--kill-child", "bash", str(script)],
-        env=env,
-        timeout=1020,
-        check=False,
-    )
+    try:
+        subprocess.run(
+            ["unshare", "-r", "-n", "-p", "-f", "-m", "--mount-proc", "--kill-child", "bash", str(script)],
+            env=env,
+            timeout=1020,
+            check=False,
+        )
+    finally:
+        shutil.rmtree(env["RAY_TMP"], ignore_errors=True)
     elapsed = time.monotonic() - start
+    failure = tmp_path / "failure"
+    assert not failure.exists(), (
+        failure.read_text() + (tmp_path / "head.log").read_text(errors="replace")[-3000:]
+    )
     log = (tmp_path / "launcher.log").read_text(errors="replace")
     tail = log[-6000:]
 
