@@ -83,8 +83,8 @@ __host__ __device__ inline WorkspaceLayout workspace_layout(const Capacity& c) {
   int64_t off = 0;
   auto take = [&](int64_t bytes) { int64_t o = off; off += align_up(bytes); return o; };
   l.expert_rows = take(c.max_local * c.world * c.max_tokens * 4);
-  // Each expert's rows are padded to a whole GEMM tile so tiles never straddle experts.
-  l.act = take((max_received_entries(c) + c.max_local * kTileRowsMax) * c.inter * 2);
+  // Expert e's rows start at the prefix of the counts before it; tiles read and write only valid rows.
+  l.act = take(max_received_entries(c) * c.inter * 2);
   l.rank_send_count = take(c.world * 4);
   l.expert_count = take(c.max_local * 4);
   l.remote_entries = take(4);

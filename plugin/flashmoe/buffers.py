@@ -41,14 +41,12 @@ class Capacity:
         return [self.max_tokens, self.hidden, self.inter, self.top_k, self.world, self.max_local, self.num_blocks]
 
     def covers(self, other: Capacity) -> bool:
-        return self.world == other.world and self.num_blocks >= other.num_blocks and all(
-            a >= b for a, b in zip(self.as_list()[:4] + [self.max_local], other.as_list()[:4] + [other.max_local], strict=False)
-        )
+        return self.world == other.world and all(a >= b for a, b in zip(self.as_list(), other.as_list(), strict=True))
 
     def union(self, other: Capacity) -> Capacity:
         if self.world != other.world:
             raise FlashMoEError(f"one process serves one EP group: world {self.world} vs {other.world}")
-        return Capacity(*(max(a, b) for a, b in zip(self.as_list(), other.as_list(), strict=False)))
+        return Capacity(*(max(a, b) for a, b in zip(self.as_list(), other.as_list(), strict=True)))
 
 
 class SymmetricBuffers:
@@ -147,6 +145,4 @@ def _attach_metrics(buffers: SymmetricBuffers) -> None:
         return
     from . import metrics
 
-    attach = getattr(metrics, "attach_device_source", None)
-    if attach is not None:
-        attach(buffers.metrics_ring, buffers.metrics_totals)
+    metrics.attach_device_source(buffers.metrics_ring, buffers.metrics_totals)

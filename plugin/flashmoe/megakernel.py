@@ -57,7 +57,6 @@ class MegaKernelLayer:
         self.num_blocks = _buffers.default_num_blocks(self.ops, device)
         cap = _capacity(spec, world, placement.max_local, self.num_blocks)
         self.buffers = _buffers.ensure(self.ops, cap, rank, world, cpu_group if cpu_group is not None else group, device)
-        self.num_local = placement.num_local(rank)
         self.expert_rank = placement.expert_rank.to(device)
         self.expert_local = placement.expert_local.to(device)
         self.force_put = env_flag("FLASHMOE_FORCE_PUT")
@@ -68,15 +67,14 @@ class MegaKernelLayer:
 
     def forward(self, x, topk_ids, topk_weights, w13, w2, out=None) -> torch.Tensor:
         check_status(self.buffers)
-        T, H = x.shape
-        if H != self.spec.hidden_size or topk_ids.shape != (T, self.spec.top_k) or topk_weights.shape != topk_ids.shape:
+        # FlashMoE.forward ran check_inputs (dtypes, shape consistency, E_local); what remains is the spec the
+        # buffers were sized for.
+        s = self.spec
+        if (x.shape[1], topk_ids.shape[1], w2.shape[2]) != (s.hidden_size, s.top_k, s.intermediate_size):
             raise ValueError(
-                f"shapes do not match the layer: hidden_states {tuple(x.shape)}, topk_ids {tuple(topk_ids.shape)}, "
-                f"topk_weights {tuple(topk_weights.shape)} for H={self.spec.hidden_size}, k={self.spec.top_k}"
+                f"hidden_states {tuple(x.shape)}, topk_ids {tuple(topk_ids.shape)}, w2 {tuple(w2.shape)} do not match "
+                f"the layer's H={s.hidden_size}, k={s.top_k}, I={s.intermediate_size}"
             )
-        I = self.spec.intermediate_size
-        if tuple(w13.shape) != (self.num_local, 2 * I, H) or tuple(w2.shape) != (self.num_local, H, I):
-            raise ValueError(f"w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} do not match ({self.num_local}, 2*{I}, {H}) / ({self.num_local}, {H}, {I})")
         if out is None:
             out = torch.empty_like(x)
         b = self.buffers
