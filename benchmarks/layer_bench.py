@@ -20,6 +20,7 @@ import datetime as dt
 import math
 import os
 import socket
+import statistics
 import sys
 import time
 import warnings
@@ -144,6 +145,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--commit", help="commit to record when the tree has no .git (default: git rev-parse HEAD)"
     )
     p.add_argument("--seed", type=int, default=0, help="changes every input set and weight")
+    p.add_argument(
+        "--metrics-overhead",
+        action="store_true",
+        help="also time flashmoe with its in-kernel metrics off, interleaved with on (metrics_* columns)",
+    )
     args = p.parse_args(argv)
     cpu = args.device == "cpu"
     args.models = (
@@ -459,6 +465,9 @@ def run_variant(
             )
 
     times = time_calls(call, len(sets), ranks, ctx.flush, ctx.policy)
+    overhead = {}
+    if variant == "flashmoe" and backend == "megakernel" and ctx.args.metrics_overhead:
+        overhead = metrics_overhead(ctx, ctx.flashmoe.layers[m.shape.name], call, len(sets))
     per_rank = ranks.gather([times.median, times.quantile(0.1), times.quantile(0.9), len(times.seconds)])
     slowest = max(per_rank, key=lambda r: r[0])
     latency = slowest[0]
@@ -475,7 +484,29 @@ def run_variant(
         iters=int(slowest[3]),
         x_floor=latency * 1e6 / base["floor_us"] if base["floor_us"] else None,
         x_floor_nodedup=latency * 1e6 / base["floor_nodedup_us"] if base["floor_nodedup_us"] else None,
+        **overhead,
     )
+
+
+METRICS_ROUNDS = 6
+
+
+def metrics_overhead(ctx: Context, layer, call, num_sets: int) -> dict:
+    """The kernel's metrics ring on vs off, in alternating rounds so that clock and thermal drift
+    fall on both sides alike; medians over all rounds, max over ranks."""
+    kernel = layer._kernel
+    policy = TimingPolicy(1, ctx.policy.min_iters, ctx.policy.max_iters, ctx.policy.target_s / METRICS_ROUNDS)
+    samples = {True: [], False: []}
+    try:
+        for _ in range(METRICS_ROUNDS):
+            for on in (True, False):
+                kernel.metrics = on
+                samples[on] += time_calls(call, num_sets, ctx.ranks, ctx.flush, policy).seconds
+    finally:
+        kernel.metrics = True
+    on_s = ctx.ranks.max(statistics.median(samples[True]))
+    off_s = ctx.ranks.max(statistics.median(samples[False]))
+    return {"metrics_on_us": on_s * 1e6, "metrics_off_us": off_s * 1e6, "metrics_overhead": on_s / off_s - 1}
 
 
 def run_case(ctx: Context, m: ModelState, tokens: int, routing: str) -> list[dict]:

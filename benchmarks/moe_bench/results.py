@@ -63,6 +63,9 @@ ROW_FIELDS = (
     "check_rel_l2",  # ||out - ref|| / ||ref|| on input set 0 (None if unchecked)
     "check_max_rel",  # max |out - ref| / max |ref|
     "load_imbalance",  # max / mean expert rows over ranks
+    "metrics_on_us",  # flashmoe with --metrics-overhead: interleaved medians with the kernel's
+    "metrics_off_us",  # metrics ring on / off (max over ranks)
+    "metrics_overhead",  # metrics_on_us / metrics_off_us - 1
     "note",
 )
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from flashmoe.backend import HIDDEN_MULTIPLE, INTERMEDIATE_MULTIPLE, MAX_TOP_K, MAX_WORLD, REFERENCE
+from flashmoe.backend import REFERENCE, shape_unsupported_reason
 from flashmoe.config import env, env_flag
 from flashmoe.errors import FlashMoEUnsupported
 
@@ -138,8 +138,6 @@ def resolve(vllm_config) -> Fallback | None:
 
 def megakernel_refusal(vllm_config, platform: str) -> str | None:
     """Why the megakernel cannot serve this deployment, from config alone (None if it can)."""
-    import torch
-
     if platform != "cuda":
         return f"platform is {platform}, the megakernel needs an NVIDIA Hopper GPU"
     cap = compat.current_device_capability()
@@ -152,22 +150,17 @@ def megakernel_refusal(vllm_config, platform: str) -> str | None:
         return (
             f"{model.quantization} checkpoint (only bf16 weights are supported until the fp8 kernel exists)"
         )
-    if model.dtype != torch.bfloat16:
-        return f"dtype {model.dtype} (the kernel is bf16)"
     text_config = model.hf_text_config
-    hidden = getattr(text_config, "hidden_size", None)
-    intermediate = getattr(text_config, "moe_intermediate_size", None)
-    top_k = getattr(text_config, "num_experts_per_tok", None)
-    if isinstance(hidden, int) and hidden % HIDDEN_MULTIPLE:
-        return f"hidden size {hidden} is not a multiple of {HIDDEN_MULTIPLE}"
-    if isinstance(intermediate, int) and intermediate % INTERMEDIATE_MULTIPLE:
-        return f"MoE intermediate size {intermediate} is not a multiple of {INTERMEDIATE_MULTIPLE}"
-    if isinstance(top_k, int) and top_k > MAX_TOP_K:
-        return f"top_k {top_k} > {MAX_TOP_K}"
     parallel = vllm_config.parallel_config
-    ep_size = parallel.tensor_parallel_size * parallel.data_parallel_size
-    if ep_size > MAX_WORLD:
-        return f"EP size {ep_size} > {MAX_WORLD}"
+    why = shape_unsupported_reason(
+        getattr(text_config, "hidden_size", 0),
+        getattr(text_config, "moe_intermediate_size", 0),
+        getattr(text_config, "num_experts_per_tok", 0),
+        parallel.tensor_parallel_size * parallel.data_parallel_size,
+        model.dtype,
+    )
+    if why is not None:
+        return why
     if not _module_exists("nvidia.nvshmem"):
         return "NVSHMEM (pip package nvidia-nvshmem-cu13) is not installed"
     return None

@@ -35,8 +35,27 @@ class BackendChoice:
     reason: str
 
 
+def shape_unsupported_reason(
+    hidden_size: int, intermediate_size: int, top_k: int, world_size: int, dtype: torch.dtype | None = torch.bfloat16
+) -> str | None:
+    """The limits of the kernel itself, from the model config alone (no device needed): None if the
+    shape fits. Engine adapters call this at config time; :func:`megakernel_unsupported_reason` adds
+    the device checks."""
+    if dtype is not None and dtype != torch.bfloat16:
+        return f"dtype {dtype} (the kernel is bf16)"
+    if hidden_size % HIDDEN_MULTIPLE:
+        return f"hidden size {hidden_size} is not a multiple of {HIDDEN_MULTIPLE}"
+    if intermediate_size % INTERMEDIATE_MULTIPLE:
+        return f"MoE intermediate size {intermediate_size} is not a multiple of {INTERMEDIATE_MULTIPLE}"
+    if top_k > MAX_TOP_K:
+        return f"top_k {top_k} > {MAX_TOP_K}"
+    if world_size > MAX_WORLD:
+        return f"EP size {world_size} > {MAX_WORLD}"
+    return None
+
+
 def megakernel_unsupported_reason(spec: MoELayerSpec, device: torch.device, world_size: int, quantized: bool = False) -> str | None:
-    """None if the megakernel can serve the layer, else a one-line reason."""
+    """None if the megakernel can serve the layer on ``device``, else a one-line reason."""
     if quantized:
         return "quantized weights (the fp8 kernel does not exist yet)"
     if device.type != "cuda":
@@ -46,16 +65,9 @@ def megakernel_unsupported_reason(spec: MoELayerSpec, device: torch.device, worl
     major, minor = torch.cuda.get_device_capability(device)
     if (major, minor) != (9, 0):
         return f"GPU is sm_{major}{minor}; the megakernel is built for Hopper (sm_90a)"
-    if spec.dtype != torch.bfloat16:
-        return f"dtype {spec.dtype} (the kernel is bf16)"
-    if spec.hidden_size % HIDDEN_MULTIPLE:
-        return f"hidden size {spec.hidden_size} is not a multiple of {HIDDEN_MULTIPLE}"
-    if spec.intermediate_size % INTERMEDIATE_MULTIPLE:
-        return f"intermediate size {spec.intermediate_size} is not a multiple of {INTERMEDIATE_MULTIPLE}"
-    if spec.top_k > MAX_TOP_K:
-        return f"top_k {spec.top_k} > {MAX_TOP_K}"
-    if world_size > MAX_WORLD:
-        return f"EP size {world_size} > {MAX_WORLD}"
+    why = shape_unsupported_reason(spec.hidden_size, spec.intermediate_size, spec.top_k, world_size, spec.dtype)
+    if why is not None:
+        return why
     try:
         import nvidia.nvshmem  # noqa: F401
     except ImportError:

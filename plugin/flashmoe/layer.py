@@ -94,6 +94,15 @@ class FlashMoE:
             return out
         return result
 
+    @property
+    def buffer_bytes(self) -> int | None:
+        """Bytes of the process-wide buffers this layer uses (symmetric heap + local workspace; shared
+        by every layer of the process), None on the reference backend."""
+        if self._kernel is None:
+            return None
+        buf = self._kernel.buffers
+        return buf.sym_bytes + buf.workspace_bytes
+
     def __repr__(self) -> str:
         s = self.spec
         return (

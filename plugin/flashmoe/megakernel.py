@@ -56,7 +56,7 @@ class MegaKernelLayer:
         self.ops = _ops()  # the variant (normal / stress) is fixed here, from the environment
         self.num_blocks = _buffers.default_num_blocks(self.ops, device)
         cap = _capacity(spec, world, placement.max_local, self.num_blocks)
-        self.buffers = _buffers.ensure(self.ops, cap, rank, world, cpu_group if cpu_group is not None else group, device)
+        _buffers.ensure(self.ops, cap, rank, world, cpu_group if cpu_group is not None else group, device)
         self.expert_rank = placement.expert_rank.to(device)
         self.expert_local = placement.expert_local.to(device)
         self.force_put = env_flag("FLASHMOE_FORCE_PUT")
@@ -64,6 +64,12 @@ class MegaKernelLayer:
         self.metrics = env_flag("FLASHMOE_METRICS")
         if layer_id >= _buffers.MAX_LAYERS:
             raise FlashMoEError(f"at most {_buffers.MAX_LAYERS} flashmoe layers per process")
+
+    @property
+    def buffers(self) -> _buffers.SymmetricBuffers:
+        # Always the process's current buffers: a later layer with a larger shape may have grown (and
+        # freed) the ones that existed when this layer was built.
+        return _buffers.current()
 
     def forward(self, x, topk_ids, topk_weights, w13, w2, out=None) -> torch.Tensor:
         check_status(self.buffers)

@@ -113,26 +113,93 @@ QWEN3_30B_A3B = dict(
 def make_qwen3_30b_a3b_shaped(
     path: str | Path, num_layers: int = 48, seed: int = 0, device: str = "cuda"
 ) -> Path:
-    """A random-weight bf16 checkpoint with Qwen3-30B-A3B's shapes (~61 GB at 48 layers), plus the
-    tiny word-level tokenizer (its 512 ids are valid in the 151936-entry vocabulary).
-    Initialised on ``device`` (a GPU makes 30B random parameters take seconds, not minutes)."""
+    """A random-weight bf16 checkpoint with Qwen3-30B-A3B's shapes (~61 GB at 48 layers), written as
+    the original per-expert safetensors layout (``mlp.experts.{e}.gate_proj.weight``, ...) one shard
+    per layer, plus ``config.json``; serve it with ``--skip-tokenizer-init`` and token-id prompts.
+
+    Linear weights are N(0, ``initializer_range``), norms 1: unlike vLLM's ``--load-format dummy``
+    (uniform +-1e-3 everywhere, which leaves the MoE output below bf16 resolution of the residual
+    stream) every layer moves the logits, so comparing greedy tokens across MoE backends means
+    something. Each tensor's values depend only on ``seed`` and its name, so every parallel layout
+    loads the same model. Idempotent, like :func:`make_tiny_qwen3_moe`."""
+    import zlib
+
     import torch
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from safetensors.torch import save_file
 
     path = Path(path)
+    marker = path / "flashmoe_random_model.json"
+    want = {"seed": seed, "architecture": "Qwen3MoeForCausalLM", "num_layers": num_layers, "shapes": "qwen3-30b-a3b"}
+    if marker.exists() and json.loads(marker.read_text()) == want:
+        return path
     path.mkdir(parents=True, exist_ok=True)
-    cfg = Qwen3MoeConfig(
-        **{**QWEN3_30B_A3B, "num_hidden_layers": num_layers},
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=3,
-        torch_dtype="bfloat16",
+    c = {**QWEN3_30B_A3B, "num_hidden_layers": num_layers}
+    H, I, V, E = c["hidden_size"], c["moe_intermediate_size"], c["vocab_size"], c["num_experts"]
+    q_out, kv_out = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
+
+    def randn(name: str, *shape: int) -> torch.Tensor:
+        g = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        t = torch.randn(*shape, generator=g, device=device, dtype=torch.float32) * c["initializer_range"]
+        return t.to(torch.bfloat16).cpu()
+
+    def ones(n: int) -> torch.Tensor:
+        return torch.ones(n, dtype=torch.bfloat16)
+
+    shards = [(f"model-{i + 1:05d}-of-{num_layers + 1:05d}.safetensors", i) for i in range(num_layers + 1)]
+    weight_map = {}
+    for fname, i in shards:
+        if i == num_layers:  # the last shard: embeddings, final norm, LM head
+            tensors = {
+                "model.embed_tokens.weight": randn("model.embed_tokens.weight", V, H),
+                "model.norm.weight": ones(H),
+                "lm_head.weight": randn("lm_head.weight", V, H),
+            }
+        else:
+            p = f"model.layers.{i}."
+            tensors = {
+                p + "input_layernorm.weight": ones(H),
+                p + "post_attention_layernorm.weight": ones(H),
+                p + "self_attn.q_norm.weight": ones(c["head_dim"]),
+                p + "self_attn.k_norm.weight": ones(c["head_dim"]),
+                p + "mlp.gate.weight": randn(p + "mlp.gate.weight", E, H),
+            }
+            for proj, rows in (("q_proj", q_out), ("k_proj", kv_out), ("v_proj", kv_out)):
+                tensors[p + f"self_attn.{proj}.weight"] = randn(p + proj, rows, H)
+            tensors[p + "self_attn.o_proj.weight"] = randn(p + "o_proj", H, q_out)
+            for e in range(E):
+                q = f"{p}mlp.experts.{e}."
+                tensors[q + "gate_proj.weight"] = randn(q + "gate_proj", I, H)
+                tensors[q + "up_proj.weight"] = randn(q + "up_proj", I, H)
+                tensors[q + "down_proj.weight"] = randn(q + "down_proj", H, I)
+        save_file(tensors, str(path / fname), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, fname))
+    total = sum((path / f).stat().st_size for f, _ in shards)
+    (path / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1)
     )
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = Qwen3MoeForCausalLM._from_config(cfg, dtype=torch.bfloat16).eval()
-    model.save_pretrained(path, safe_serialization=True, max_shard_size="5GB")
-    make_tokenizer().save_pretrained(path)
+    config = {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        **c,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "output_router_logits": False,
+        "router_aux_loss_coef": 0.001,
+        "sliding_window": None,
+        "use_sliding_window": False,
+        "max_window_layers": num_layers,
+        "rope_scaling": None,
+        "tie_word_embeddings": False,
+        "use_cache": True,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "torch_dtype": "bfloat16",
+    }
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    marker.write_text(json.dumps(want))
     return path
 
 
