@@ -213,6 +213,84 @@ def test_multinode_overlays_carry_nvshmem_ib_environment(rendered):
         assert lws["spec"]["leaderWorkerTemplate"]["size"] >= 2
 
 
+def env_config_map(objs: list[dict]) -> dict[str, str]:
+    """The flashmoe-env ConfigMap every pod takes its environment from."""
+    (env,) = [o for o in objs if o["kind"] == "ConfigMap" and "flashmoe-env-" in o["metadata"]["name"]]
+    return env["data"]
+
+
+# FLASHMOE_STRICT per overlay: on where every MoE layer is bf16 (the megakernel serves them all), off for
+# the FP8 DeepSeek-V3 checkpoint, whose fp8 layers fall back to vLLM's path until the fp8 kernel exists.
+STRICT = {
+    "qwen3-30b-a3b": "1",
+    "qwen3-235b-a22b": "1",
+    "qwen3-235b-a22b-2node": "1",
+    "qwen3-235b-a22b-kuberay": "1",
+    "deepseek-v3": "0",
+}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_strict_mode_is_each_overlays_choice(rendered, overlay):
+    assert overlay in STRICT, f"{overlay}: add its FLASHMOE_STRICT choice to STRICT (bf16: 1, fp8: 0)"
+    env = env_config_map(rendered[overlay])
+    assert env.get("FLASHMOE_STRICT") == STRICT[overlay], (overlay, env)
+    for where, template in all_pod_templates(rendered[overlay]):
+        for container in template["spec"]["containers"]:
+            assert not [e for e in container.get("env", []) if e["name"] == "FLASHMOE_STRICT"], where
+
+
+def test_strict_mode_has_one_source_of_truth():
+    """FLASHMOE_STRICT=1 is written once (components/strict); overlays choose it, no copy in common."""
+    hits = {
+        str(path.relative_to(K8S)): line.strip()
+        for path in K8S.rglob("*.yaml")
+        for line in path.read_text().splitlines()
+        if "FLASHMOE_STRICT=" in line and not line.strip().startswith("#")
+    }
+    assert hits == {
+        "components/strict/kustomization.yaml": "- FLASHMOE_STRICT=1",
+        "overlays/deepseek-v3/kustomization.yaml": "- FLASHMOE_STRICT=0",
+    }, hits
+    for overlay in OVERLAYS:
+        kustomization = yaml.safe_load((K8S / "overlays" / overlay / "kustomization.yaml").read_text())
+        assert ("../../components/strict" in kustomization.get("components", [])) == (STRICT[overlay] == "1")
+
+
+def dockerfile_env() -> dict[str, str]:
+    text = (ROOT / "deploy" / "docker" / "Dockerfile").read_text().replace("\\\n", " ")
+    env: dict[str, str] = {}
+    for line in text.splitlines():
+        if line.startswith("ENV "):
+            env.update(item.split("=", 1) for item in line.split()[1:] if "=" in item)
+    return env
+
+
+def test_image_builds_the_library_pods_look_up():
+    text = (ROOT / "deploy" / "docker" / "Dockerfile").read_text()
+    jit_lines = [line for line in text.replace("\\\n", " ").splitlines() if "flashmoe.jit" in line]
+    assert jit_lines and not any("--compile-only" in line for line in jit_lines), jit_lines
+    assert any("--print-key" in line for line in jit_lines), "the build must fail unless the library is there"
+    # The arch is a build argument: FLASHMOE_ARCH in the runtime environment would pin every pod to it.
+    assert "FLASHMOE_ARCH" not in dockerfile_env()
+    assert dockerfile_env()["FLASHMOE_CACHE_DIR"] == "/opt/flashmoe/cache"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_baked_kernel_cache_is_where_pods_look_and_not_hidden(rendered, overlay):
+    cache = Path(dockerfile_env()["FLASHMOE_CACHE_DIR"])
+    assert env_config_map(rendered[overlay])["FLASHMOE_CACHE_DIR"] == str(cache)
+    for where, template in all_pod_templates(rendered[overlay]):
+        for container in template["spec"]["containers"]:
+            assert not [e for e in container.get("env", []) if e["name"] == "FLASHMOE_CACHE_DIR"], where
+            for mount in container.get("volumeMounts", []):
+                path = Path(mount["mountPath"])
+                hides = path == cache or path in cache.parents or cache in path.parents
+                assert not hides, (
+                    f"{where}: volume {mount['name']} at {path} hides the image's kernel cache {cache}"
+                )
+
+
 def test_crd_validation_rejects_a_misspelt_field(rendered):
     lws = copy.deepcopy(next(o for o in rendered["deepseek-v3"] if o["kind"] == "LeaderWorkerSet"))
     lws["spec"]["leaderWorkerTemplate"]["sizee"] = 2

@@ -80,6 +80,20 @@ def prepare_finalize_base():
     return MoEPrepareAndFinalizeNoDPEPModular
 
 
+def ensure_moe_workspace(device) -> None:
+    """vLLM 0.26's modular kernel takes the experts' output buffer from the worker's
+    ``WorkspaceManager`` on every platform, but only the GPU/XPU workers create one; 0.32+ bypasses
+    it on CPU. On a CPU worker without one, create it (GPU workers make theirs before loading)."""
+    if getattr(device, "type", str(device)) != "cpu":
+        return
+    try:
+        from vllm.v1.worker import workspace
+    except ImportError:  # pragma: no cover - every supported release has it
+        return
+    if hasattr(workspace, "is_workspace_manager_initialized") and not workspace.is_workspace_manager_initialized():
+        workspace.init_workspace_manager(device)
+
+
 def current_device_capability() -> tuple[int, int] | None:
     """(major, minor) of the local GPU through vLLM's platform (NVML on CUDA: no CUDA context is
     created in the API-server process, which vLLM relies on before forking workers)."""

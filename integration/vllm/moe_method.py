@@ -99,6 +99,7 @@ class FlashMoEUnquantizedMethod(UnquantizedFusedMoEMethod):
             )
             return super().process_weights_after_loading(layer)
 
+        compat.ensure_moe_workspace(layer.w13_weight.device)
         self.moe_quant_config = self.get_fused_moe_quant_config(layer)
         self.moe_kernel = mk.FusedMoEKernel(
             FlashMoEPrepareFinalize(),

@@ -19,10 +19,12 @@ class EnvVar:
     help: str
 
 
+# One variable per line (the README table is generated from it): kept out of the formatter.
+# fmt: off
 ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("FLASHMOE_CACHE_DIR", "~/.cache/flashmoe", "JIT build cache (compiled kernels, lock files)."),
     EnvVar("FLASHMOE_NVCC", "", "nvcc to use; default: $CUDA_HOME/bin/nvcc, then nvcc on PATH."),
-    EnvVar("FLASHMOE_ARCH", "", "Target arch for the JIT (e.g. sm_90a); default: the running GPU's."),
+    EnvVar("FLASHMOE_ARCH", "", "Target arch for a JIT build without a GPU (e.g. sm_90a); with a GPU the JIT uses the GPU's own arch, and a different value here is an error."),
     EnvVar("FLASHMOE_JIT_VERBOSE", "0", "1 prints every nvcc command line and its timing."),
     EnvVar("FLASHMOE_TIMEOUT_MS", "10000", "Bound on every spin-wait inside the kernel; on expiry the kernel records what it waited for and exits, and Python raises."),
     EnvVar("FLASHMOE_FORCE_PUT", "0", "1 sends dispatch/combine through NVSHMEM put-with-signal even to NVLink peers (the multi-node path, testable on one node)."),
@@ -37,6 +39,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("FLASHMOE_SGLANG_FALLBACK", "", "Set by the SGLang plugin's launcher for its schedulers (not by users): why the megakernel was not selected, counted in the fallback metric."),
     EnvVar("FLASHMOE_STRESS_DELAY_NS", "0", "Test only: build a kernel variant that sleeps a random 0..N ns before each signal and wait (race hunting)."),
 )
+# fmt: on
 
 _BY_NAME = {v.name: v for v in ENV_VARS}
 

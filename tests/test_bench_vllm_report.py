@@ -1,0 +1,63 @@
+"""The vLLM serving report: token-id agreement, throughput ratios, merged JSON, plot, README section."""
+
+import json
+
+import bench_import  # noqa: F401
+import vllm_serve_report as report
+
+
+def test_agreement_finds_the_first_differing_token():
+    a = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 9, 9, 9]]
+    b = [[1, 2, 3, 4], [5, 6, 0, 8], [9, 9, 9]]
+    got = report.agreement(a, b)
+    assert got["identical"] == 1
+    assert got["first_difference_at"] == [None, 2, 3]  # a shorter continuation differs where it ends
+
+
+def _run(name, tok_s, tpot_ms, ids):
+    return {
+        "run": name,
+        "commit": "abc",
+        "machine": "4x H200",
+        "vllm": "0.26.0",
+        "model": "m",
+        "num_layers": 48,
+        "input_len": 1024,
+        "output_len": 256,
+        "startup_s": 100.0,
+        "greedy_token_ids": ids,
+        "throughput": [
+            {"concurrency": c, "output_tok_per_s": tok_s * c, "tpot_median_ms": tpot_ms, "decode_tok_per_s": c / tpot_ms * 1e3}
+            for c in (1, 64)
+        ],
+    }
+
+
+def test_report_merges_compares_plots_and_writes_the_readme_section(tmp_path):
+    ids = [[1, 2, 3], [4, 5, 6]]
+    files = []
+    for run in (
+        _run("vllm_dp4_ep", 100.0, 20.0, ids),
+        _run("flashmoe_dp4_ep", 150.0, 10.0, [[1, 2, 3], [4, 0, 6]]),
+    ):
+        f = tmp_path / f"vllm_{run['run']}.json"
+        f.write_text(json.dumps(run))
+        files.append(str(f))
+    readme = tmp_path / "README.md"
+    readme.write_text("# bench\n\nintro\n")
+    out = tmp_path / "results" / "serve.json"
+    assert report.main([*files, "--json", str(out), "--readme", str(readme)]) == 0
+
+    doc = json.loads(out.read_text())
+    assert list(doc["runs"]) == ["flashmoe_dp4_ep", "vllm_dp4_ep"]
+    pair = doc["comparison"]["token_ids"]["flashmoe_dp4_ep vs vllm_dp4_ep"]
+    assert (pair["identical"], pair["first_difference_at"]) == (1, [None, 1])
+    ratio = doc["comparison"]["throughput_vs_vllm_dp4_ep"]["flashmoe_dp4_ep"]
+    assert abs(ratio["64"]["decode_tok_per_s"] - 2.0) < 1e-9
+    assert out.with_suffix(".png").stat().st_size > 1000
+    text = readme.read_text()
+    assert text.startswith("# bench\n\nintro\n") and report.BEGIN in text and report.END in text
+    assert "c=1: 2.00×, c=64: 2.00×" in text
+    # Regenerating replaces the section instead of appending a second one.
+    assert report.main([*files, "--json", str(out), "--readme", str(readme)]) == 0
+    assert readme.read_text().count(report.BEGIN_MARK) == 1
