@@ -111,6 +111,10 @@ def readme_section(entries: list[tuple[dict, list[Path]]], readme: Path) -> str:
         parts.append(table.markdown_table(doc["rows"]))
         parts.append("\nAgainst the targets (uniform routing):\n")
         parts += table.target_lines(doc["rows"])
+        overhead = table.metrics_overhead_lines(doc["rows"])
+        if overhead:
+            parts.append("\nIn-kernel metrics on vs off (interleaved rounds, `--metrics-overhead`):\n")
+            parts += overhead
     parts.append(END)
     return "\n".join(parts)
 

@@ -159,3 +159,13 @@ def test_plot_regenerates_pngs_and_the_readme_section(tmp_path):
     )
     plot.main([str(path), "--out-dir", str(tmp_path / "png"), "--readme", str(readme)])
     assert readme.read_text() == text  # regenerating is idempotent
+
+
+def test_metrics_overhead_lines_report_median_and_worst_case():
+    doc = make_doc(tokens=(1, 128, 4096), models=("qwen3-30b-a3b",))
+    fm = [r for r in doc["rows"] if r["variant"] == "flashmoe" and r["status"] == "ok"][:6]
+    for r, overhead in zip(fm, (0.001, 0.004, -0.002, 0.02, 0.0, 0.003), strict=True):
+        r.update(metrics_on_us=r["latency_us"], metrics_off_us=r["latency_us"] / (1 + overhead), metrics_overhead=overhead)
+    (line,) = table.metrics_overhead_lines(doc["rows"])
+    assert "median +0.30%" in line and "over 6 cases" in line and "largest +2.00% (T=128, zipf)" in line
+    assert table.metrics_overhead_lines(make_doc()["rows"]) == []  # runs without --metrics-overhead: no line

@@ -106,3 +106,22 @@ def target_lines(rows: list[dict], routing: str = "uniform") -> list[str]:
                 parts.append(f"vs {label}: worst {worst:.2f}× at T={at} (target ≥ {goal:g}×)")
         lines.append(f"- **{model}**: " + ("; ".join(parts) if parts else "no megakernel rows"))
     return lines
+
+
+def metrics_overhead_lines(rows: list[dict]) -> list[str]:
+    """The in-kernel metrics' cost (``--metrics-overhead`` rows), per model: median and worst case."""
+    lines = []
+    for model in dict.fromkeys(r["model"] for r in rows):
+        got = sorted(
+            (r["metrics_overhead"], r["tokens_per_rank"], r["routing"])
+            for r in rows
+            if r["model"] == model and r.get("metrics_overhead") is not None
+        )
+        if got:
+            median = got[len(got) // 2][0]
+            worst = got[-1]
+            lines.append(
+                f"- **{model}**: median {median * 100:+.2f}% of layer time over {len(got)} cases; "
+                f"largest {worst[0] * 100:+.2f}% (T={worst[1]}, {worst[2]}) (goal < 1%)"
+            )
+    return lines
