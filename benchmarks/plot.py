@@ -3,7 +3,8 @@
     python benchmarks/plot.py benchmarks/results/*-layer.json                      # PNGs next to each JSON
     python benchmarks/plot.py benchmarks/results/*-layer.json --readme benchmarks/README.md
 
-One PNG per (file, routing): a panel per model, latency vs tokens per rank (log-log), one line per
+Files of the same machine and GPU count are merged first (a later run adds token counts to an earlier
+one; for a case measured twice the later file wins), so one PNG per (machine, routing): a panel per model, latency vs tokens per rank (log-log), one line per
 variant that ran, the dedup floor dashed and the no-dedup floor dotted. ``--readme`` rewrites the
 part of the README between the layer-bench markers with those plots, a table and where flashmoe
 stands against the issue's targets; nothing else in the README changes.
@@ -31,10 +32,47 @@ STYLE = {
 }
 
 
+def _commits(doc: dict) -> str:
+    runs = doc.get("merged_from") or [doc]
+    return ", ".join(dict.fromkeys((r["software"].get("commit") or "unknown")[:10] for r in runs))
+
+
 def _title(doc: dict) -> str:
     m, s = doc["machine"], doc["software"]
-    commit = (s.get("commit") or "unknown")[:10]
-    return f"{m['tag']} · EP{doc['config']['world_size']} · torch {s['torch']} · {commit}"
+    return f"{m['tag']} · EP{doc['config']['world_size']} · torch {s['torch']} · {_commits(doc)}"
+
+
+def merge_runs(docs: list[dict]) -> list[dict]:
+    """One document per (machine tag, world size): rows of later runs (by ``created``) replace rows of
+    the same case and variant in earlier ones; ``merged_from`` keeps every run's header."""
+    groups: dict[tuple, list[dict]] = {}
+    for doc in docs:
+        groups.setdefault((doc["machine"]["tag"], doc["config"]["world_size"]), []).append(doc)
+    merged = []
+    for runs in groups.values():
+        runs.sort(key=lambda d: d["created"])
+        if len(runs) == 1:
+            merged.append(runs[0])
+            continue
+        rows: dict[tuple, dict] = {}
+        for d in runs:
+            for r in d["rows"]:
+                rows[(r["model"], r["routing"], r["tokens_per_rank"], r["variant"])] = r
+        models = list(dict.fromkeys(r["model"] for d in runs for r in d["rows"]))
+        ordered = sorted(
+            rows.values(), key=lambda r: (models.index(r["model"]), r["tokens_per_rank"], r["routing"])
+        )
+        last = runs[-1]
+        merged.append(
+            {
+                **last,
+                "rows": ordered,
+                "complete": all(d["complete"] for d in runs),
+                "stopped_reason": "; ".join(d["stopped_reason"] for d in runs if d["stopped_reason"]) or None,
+                "merged_from": [{k: d[k] for k in ("created", "argv", "software", "rates")} for d in runs],
+            }
+        )
+    return merged
 
 
 def plot_file(doc: dict, stem: str, out_dir: Path) -> list[Path]:
@@ -99,8 +137,11 @@ def readme_section(entries: list[tuple[dict, list[Path]]], readme: Path) -> str:
     for doc, pngs in entries:
         m = doc["machine"]
         status = "complete" if doc["complete"] else f"partial: {doc['stopped_reason']}"
+        runs = len(doc.get("merged_from") or [doc])
         parts.append(
-            f"\n### {m['tag']} ({doc['created'][:10]}, commit `{(doc['software'].get('commit') or 'unknown')[:10]}`, {status})\n"
+            f"\n### {m['tag']} ({doc['created'][:10]}, commit `{_commits(doc)}`, {status}"
+            + (f", {runs} runs merged" if runs > 1 else "")
+            + ")\n"
         )
         parts += [f"![{p.stem}]({os.path.relpath(p, readme.parent)})" for p in pngs]
         r = doc["rates"]
@@ -134,8 +175,12 @@ def main(argv=None) -> int:
     p.add_argument("--readme", type=Path, help="rewrite this README's layer-bench section")
     args = p.parse_args(argv)
     entries = []
-    for path in args.json:
-        doc = results.load(path)
+    loaded = [(results.load(p), p) for p in args.json]
+    first_path = {}  # the earliest run of a machine names its PNGs
+    for doc, path in sorted(loaded, key=lambda dp: dp[0]["created"]):
+        first_path.setdefault((doc["machine"]["tag"], doc["config"]["world_size"]), path)
+    for doc in merge_runs([d for d, _ in loaded]):
+        path = first_path[(doc["machine"]["tag"], doc["config"]["world_size"])]
         out_dir = args.out_dir or path.parent
         out_dir.mkdir(parents=True, exist_ok=True)
         pngs = plot_file(doc, path.stem, out_dir)

@@ -78,7 +78,18 @@ def ensure_vllm(bundle: Path, site: Path) -> None:
     plugins = {e.name for e in importlib.metadata.entry_points(group="vllm.general_plugins")}
     if "flashmoe" not in plugins:  # vLLM finds plugins through entry points: install the checkout
         subprocess.run(
-            [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index", "-e", str(REPO)],
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "-q",
+                "--no-deps",
+                "--no-build-isolation",
+                "--no-index",
+                "-e",
+                str(REPO),
+            ],
             check=True,
         )
 
@@ -90,13 +101,23 @@ class Server:
         self.log_path, self.timeout = log, timeout
         self.port = _free_port()
         self.cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
-        self.cmd += ["--host", "127.0.0.1", "--port", str(self.port), "--served-model-name", self.model_name, *args]
+        self.cmd += [
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--served-model-name",
+            self.model_name,
+            *args,
+        ]
         self.env = {**os.environ, **env}
         self.proc = None
 
     def __enter__(self):
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
+            self.proc = subprocess.Popen(
+                self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+            )
         deadline = time.monotonic() + self.timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -195,10 +216,17 @@ def one_streamed(srv: Server, prompt: list[int], max_tokens: int) -> dict:
     end = time.perf_counter()
     if tokens != max_tokens or first is None:
         raise RuntimeError(f"streamed {tokens} tokens, expected {max_tokens}")
-    return {"ttft_s": first - t0, "tpot_s": (end - first) / max(1, tokens - 1), "e2e_s": end - t0, "tokens": tokens}
+    return {
+        "ttft_s": first - t0,
+        "tpot_s": (end - first) / max(1, tokens - 1),
+        "e2e_s": end - t0,
+        "tokens": tokens,
+    }
 
 
-def throughput(srv: Server, concurrency: int, num_requests: int, input_len: int, output_len: int, seed: int, vocab: int) -> dict:
+def throughput(
+    srv: Server, concurrency: int, num_requests: int, input_len: int, output_len: int, seed: int, vocab: int
+) -> dict:
     rng = random.Random(seed)
     prompts = [[rng.randrange(4, vocab) for _ in range(input_len)] for _ in range(num_requests)]
     results, errors, lock = [], [], threading.Lock()
@@ -225,7 +253,13 @@ def throughput(srv: Server, concurrency: int, num_requests: int, input_len: int,
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
-    row = {"concurrency": concurrency, "requests": num_requests, "ok": len(results), "errors": errors[:3], "wall_s": wall}
+    row = {
+        "concurrency": concurrency,
+        "requests": num_requests,
+        "ok": len(results),
+        "errors": errors[:3],
+        "wall_s": wall,
+    }
     if results:
         out_tokens = sum(r["tokens"] for r in results)
         row.update(
@@ -240,7 +274,17 @@ def throughput(srv: Server, concurrency: int, num_requests: int, input_len: int,
 
 
 def log_lines(text: str) -> list[str]:
-    keys = ("flashmoe", "KV cache", "all2all", "Available KV", "CUDA graph", "moe_backend", "Using", "Error", "error")
+    keys = (
+        "flashmoe",
+        "KV cache",
+        "all2all",
+        "Available KV",
+        "CUDA graph",
+        "moe_backend",
+        "Using",
+        "Error",
+        "error",
+    )
     return [line[-400:] for line in text.splitlines() if any(k in line for k in keys)][:80]
 
 
@@ -249,9 +293,19 @@ def run_one(name: str, args, model: Path) -> dict:
     parallel = [a.format(n=args.gpus) for a in parallel]
     compilation = {"cudagraph_capture_sizes": CAPTURE_SIZES, "pass_config": {"fuse_allreduce_rms": False}}
     vargs = parallel + [
-        "--skip-tokenizer-init", "--max-model-len", str(args.input_len + args.output_len + 64),
-        "--max-num-seqs", "256", "--gpu-memory-utilization", "0.85", "--seed", "0",
-        "--compilation-config", json.dumps(compilation), "--attention-backend", "TRITON_ATTN",
+        "--skip-tokenizer-init",
+        "--max-model-len",
+        str(args.input_len + args.output_len + 64),
+        "--max-num-seqs",
+        "256",
+        "--gpu-memory-utilization",
+        "0.85",
+        "--seed",
+        "0",
+        "--compilation-config",
+        json.dumps(compilation),
+        "--attention-backend",
+        "TRITON_ATTN",
     ]
     env = dict(ENV)
     if backend:
@@ -264,7 +318,9 @@ def run_one(name: str, args, model: Path) -> dict:
         row["startup_s"] = round(time.monotonic() - t0, 1)
         print(f"{name}: server up in {row['startup_s']} s", flush=True)
         rng = random.Random(1234)
-        prompts = [[rng.randrange(4, args.vocab) for _ in range(args.check_len)] for _ in range(args.check_prompts)]
+        prompts = [
+            [rng.randrange(4, args.vocab) for _ in range(args.check_len)] for _ in range(args.check_prompts)
+        ]
         row["check_prompts"] = prompts
         row["greedy_token_ids"] = greedy_ids(srv, prompts, args.check_tokens)
         row["throughput"] = []
@@ -278,7 +334,9 @@ def run_one(name: str, args, model: Path) -> dict:
                 flush=True,
             )
         # The plugin's Prometheus series as an operator scrapes them from vLLM's /metrics.
-        row["metrics_scrape"] = [m for m in srv.get("/metrics").splitlines() if m.startswith("flashmoe_")][:60]
+        row["metrics_scrape"] = [m for m in srv.get("/metrics").splitlines() if m.startswith("flashmoe_")][
+            :60
+        ]
     text = log.read_text(errors="replace")
     row["log"] = log_lines(text)
     row["megakernel_layers_reported"] = "-> backend megakernel" in text
@@ -306,7 +364,9 @@ def main() -> int:
     ap.add_argument("--check-tokens", type=int, default=32)
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--startup-timeout", type=float, default=420.0)
-    ap.add_argument("--deadline-s", type=float, default=None, help="skip a run if less than --run-estimate-s is left")
+    ap.add_argument(
+        "--deadline-s", type=float, default=None, help="skip a run if less than --run-estimate-s is left"
+    )
     ap.add_argument("--run-estimate-s", type=float, default=240.0)
     ap.add_argument("--commit", default=None)
     args = ap.parse_args()
@@ -322,7 +382,9 @@ def main() -> int:
 
     t0 = time.monotonic()
     make_qwen3_30b_a3b_shaped(args.model_dir, args.num_layers, seed=0, device="cuda")
-    print(f"vLLM {vllm.__version__}; model {args.model_dir} ready in {time.monotonic() - t0:.0f} s", flush=True)
+    print(
+        f"vLLM {vllm.__version__}; model {args.model_dir} ready in {time.monotonic() - t0:.0f} s", flush=True
+    )
 
     import torch
 
@@ -350,7 +412,10 @@ def main() -> int:
             if log.exists():
                 row["log"] = log_lines(log.read_text(errors="replace"))
         (args.out / f"vllm_{name}.json").write_text(json.dumps({**meta, **row}, indent=1))
-        print(f"{name}: {'ERROR ' + row['error'][-600:] if row.get('error') else 'done'} ({time.monotonic() - t_start:.0f} s)", flush=True)
+        print(
+            f"{name}: {'ERROR ' + row['error'][-600:] if row.get('error') else 'done'} ({time.monotonic() - t_start:.0f} s)",
+            flush=True,
+        )
     return 0
 
 

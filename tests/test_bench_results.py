@@ -165,7 +165,46 @@ def test_metrics_overhead_lines_report_median_and_worst_case():
     doc = make_doc(tokens=(1, 128, 4096), models=("qwen3-30b-a3b",))
     fm = [r for r in doc["rows"] if r["variant"] == "flashmoe" and r["status"] == "ok"][:6]
     for r, overhead in zip(fm, (0.001, 0.004, -0.002, 0.02, 0.0, 0.003), strict=True):
-        r.update(metrics_on_us=r["latency_us"], metrics_off_us=r["latency_us"] / (1 + overhead), metrics_overhead=overhead)
+        r.update(
+            metrics_on_us=r["latency_us"],
+            metrics_off_us=r["latency_us"] / (1 + overhead),
+            metrics_overhead=overhead,
+        )
     (line,) = table.metrics_overhead_lines(doc["rows"])
     assert "median +0.30%" in line and "over 6 cases" in line and "largest +2.00% (T=128, zipf)" in line
     assert table.metrics_overhead_lines(make_doc()["rows"]) == []  # runs without --metrics-overhead: no line
+
+
+def test_runs_of_one_machine_merge_and_the_later_run_wins(tmp_path):
+    early = make_doc(tokens=(1, 128), models=("qwen3-30b-a3b",))
+    late = make_doc(tokens=(8, 128), models=("qwen3-30b-a3b",))
+    late["created"] = "2026-01-03T00:00:00+00:00"
+    late["software"] = {"torch": "2.11.0+cu130", "commit": "fedcba9876543210"}
+    for r in late["rows"]:
+        if r["status"] == "ok":
+            r["latency_us"] *= 2
+    other = make_doc(tokens=(1,), models=("qwen3-30b-a3b",))
+    other["machine"] = {**other["machine"], "tag": "2xH200"}
+    other["config"] = {**other["config"], "world_size": 2}
+
+    merged = plot.merge_runs([late, other, early])
+    assert len(merged) == 2
+    four = next(d for d in merged if d["machine"]["tag"] == "4xH200")
+    ok = [r for r in four["rows"] if r["status"] == "ok"]
+    assert sorted({r["tokens_per_rank"] for r in ok}) == [1, 8, 128]
+    t128 = next(
+        r
+        for r in ok
+        if r["tokens_per_rank"] == 128 and r["variant"] == "flashmoe" and r["routing"] == "uniform"
+    )
+    assert t128["latency_us"] == 2 * LATENCY["flashmoe"] * (60.0 + 0.1 * 128)  # the later run's row
+    assert plot._commits(four) == "0123456789, fedcba9876"
+    paths = []
+    for name, doc in (("a-layer.json", early), ("b-layer.json", late)):
+        results.write_json(tmp_path / name, doc)
+        paths.append(str(tmp_path / name))
+    readme = tmp_path / "README.md"
+    readme.write_text(f"x\n{plot.BEGIN}\n{plot.END}\n")
+    assert plot.main([*paths, "--readme", str(readme)]) == 0
+    assert "2 runs merged" in readme.read_text()
+    assert (tmp_path / "a-layer-uniform.png").is_file() and not (tmp_path / "b-layer-uniform.png").exists()

@@ -27,7 +27,12 @@ def _run(name, tok_s, tpot_ms, ids):
         "startup_s": 100.0,
         "greedy_token_ids": ids,
         "throughput": [
-            {"concurrency": c, "output_tok_per_s": tok_s * c, "tpot_median_ms": tpot_ms, "decode_tok_per_s": c / tpot_ms * 1e3}
+            {
+                "concurrency": c,
+                "output_tok_per_s": tok_s * c,
+                "tpot_median_ms": tpot_ms,
+                "decode_tok_per_s": c / tpot_ms * 1e3,
+            }
             for c in (1, 64)
         ],
     }

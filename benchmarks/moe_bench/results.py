@@ -69,6 +69,9 @@ ROW_FIELDS = (
     "note",
 )
 
+# Fields added after the first results were committed: absent in older files, read as None.
+LATER_FIELDS = ("metrics_on_us", "metrics_off_us", "metrics_overhead")
+
 NUMERIC_WHEN_OK = (
     "latency_us",
     "latency_p10_us",
@@ -208,10 +211,9 @@ def validate(doc: dict) -> list[str]:
         if not isinstance(doc.get("rates", {}).get(key), (int, float)):
             errs.append(f"rates.{key} missing")
     for i, row in enumerate(doc.get("rows") or []):
-        if set(row) != set(ROW_FIELDS):
-            errs.append(
-                f"row {i}: fields differ: missing {sorted(set(ROW_FIELDS) - set(row))}, extra {sorted(set(row) - set(ROW_FIELDS))}"
-            )
+        missing, extra = set(ROW_FIELDS) - set(row) - set(LATER_FIELDS), set(row) - set(ROW_FIELDS)
+        if missing or extra:
+            errs.append(f"row {i}: fields differ: missing {sorted(missing)}, extra {sorted(extra)}")
             continue
         if row["status"] not in STATUSES:
             errs.append(f"row {i}: status {row['status']!r} not in {STATUSES}")
@@ -239,5 +241,8 @@ def load(path: Path) -> dict:
     doc = json.loads(Path(path).read_text())
     errs = validate(doc)
     if errs:
-        raise ValueError(f"{path}: not a valid {SCHEMA} document:\n  " + "\n  ".join(errs))
+        raise ValueError(f"{path}: not a valid {SCHEMA} document:\n  " + "\n  ".join(errs[:10]))
+    for row in doc["rows"]:
+        for f in LATER_FIELDS:
+            row.setdefault(f, None)
     return doc
