@@ -11,7 +11,6 @@
 //              combine_stage B*64*128*2       put path only: one GEMM1 output tile per block
 //   workspace  expert_rows   E_l*W*T*4        per local expert: received (row, j) entries
 //              act           W*T*min(k,E_l)*I*2   SwiGLU activations, grouped by expert
-//              block_metrics B*4*8            per block: busy ns, end ns, rows sent, remote bytes (metrics)
 //              counters      small
 #pragma once
 
@@ -50,8 +49,6 @@ struct WorkspaceLayout {
   int64_t barrier;           // u32       grid barrier word
   int64_t epoch;             // u32       calls completed by this process
   int64_t abort_flag;        // u32       set when any block gave up waiting
-  int64_t block_metrics;     // [B][4] u64 one slot per block, summed by the last block to finish
-  int64_t metrics_done;      // u32       blocks that filled their slot this call
   int64_t total;
 };
 
@@ -94,8 +91,6 @@ __host__ __device__ inline WorkspaceLayout workspace_layout(const Capacity& c) {
   l.barrier = take(4);
   l.epoch = take(4);
   l.abort_flag = take(4);
-  l.block_metrics = take(c.num_blocks * 4 * 8);
-  l.metrics_done = take(4);
   l.total = off;
   return l;
 }

@@ -30,78 +30,40 @@ struct BlockShared {
   uint32_t epoch;
 };
 
-// Per-block busy time: only thread 0's clock is published, so only thread 0 reads %globaltimer, and only with
-// metrics on.
 struct BusyClock {
   uint64_t busy = 0, since = 0;
-  bool on;
-  __device__ explicit BusyClock(bool metrics) : on(metrics && threadIdx.x == 0) {}
-  __device__ void start() {
-    if (on) since = globaltimer_ns();
-  }
-  __device__ void stop() {
-    if (on) busy += globaltimer_ns() - since;
-  }
+  __device__ void start() { since = globaltimer_ns(); }
+  __device__ void stop() { busy += globaltimer_ns() - since; }
 };
 
-// Called by every thread of every block at the end of a call. Each block stores its numbers in its own slot
-// (no contended atomics on the record: those cost microseconds at 132 blocks); the last block to arrive sums
-// the slots with one warp and publishes the record, sequence number last.
-__device__ void publish_metrics(const Params& p, uint32_t epoch, uint64_t busy_ns, uint64_t rows_sent,
-                                uint64_t remote_bytes, int rows_received) {
-  __shared__ int last_block;
-  unsigned long long* slots = ws_ptr<unsigned long long>(p, p.ws_off.block_metrics);
+__device__ void publish_metrics(const Params& p, uint32_t epoch, uint64_t busy_ns, uint64_t end_ns, int64_t rows_sent,
+                                int64_t remote_bytes, int rows_received) {
   int64_t* rec = p.metrics_ring + static_cast<int64_t>(epoch % kRingSlots) * kRingFields;
-  if (threadIdx.x == 0) {
-    unsigned long long* mine = slots + static_cast<int64_t>(blockIdx.x) * 4;
-    mine[0] = busy_ns;
-    mine[1] = globaltimer_ns();
-    mine[2] = rows_sent;
-    mine[3] = remote_bytes;
-    if (blockIdx.x == 0) rec[9] = rows_received;
+  unsigned long long* u = reinterpret_cast<unsigned long long*>(rec);
+  atomicAdd(u + 4, static_cast<unsigned long long>(busy_ns));
+  atomicMax(u + 3, static_cast<unsigned long long>(end_ns));
+  atomicAdd(u + 8, static_cast<unsigned long long>(rows_sent));
+  atomicAdd(u + 10, static_cast<unsigned long long>(remote_bytes));
+  if (blockIdx.x == 0) rec[9] = rows_received;
+  __threadfence();
+  const unsigned long long done = atomicAdd(u + 5, 1ull) + 1;
+  if (done == gridDim.x) {  // last block: the record is complete
     __threadfence();
-    unsigned int* done = ws_ptr<unsigned int>(p, p.ws_off.metrics_done);
-    last_block = atomicAdd(done, 1u) + 1 == gridDim.x;
+    unsigned long long* totals = reinterpret_cast<unsigned long long*>(p.metrics_totals) + p.layer_id * 4;
+    atomicAdd(totals + 0, 1ull);
+    atomicAdd(totals + 1, static_cast<unsigned long long>(p.num_tokens));
+    atomicAdd(totals + 2, static_cast<unsigned long long>(atomicAdd(u + 8, 0ull)));
+    atomicAdd(totals + 3, static_cast<unsigned long long>(atomicAdd(u + 10, 0ull)));
+    atomicExch(u + 0, static_cast<unsigned long long>(epoch));
   }
-  __syncthreads();
-  if (!last_block || threadIdx.x >= 32) return;
-  __threadfence();
-  unsigned long long busy = 0, end = 0, rows = 0, bytes = 0;
-  for (int b = threadIdx.x; b < static_cast<int>(gridDim.x); b += 32) {
-    const unsigned long long* s = slots + static_cast<int64_t>(b) * 4;
-    busy += __ldcg(s + 0);
-    end = max(end, __ldcg(s + 1));
-    rows += __ldcg(s + 2);
-    bytes += __ldcg(s + 3);
-  }
-  for (int lane_mask = 16; lane_mask > 0; lane_mask >>= 1) {
-    busy += __shfl_xor_sync(0xffffffffu, busy, lane_mask);
-    end = max(end, __shfl_xor_sync(0xffffffffu, end, lane_mask));
-    rows += __shfl_xor_sync(0xffffffffu, rows, lane_mask);
-    bytes += __shfl_xor_sync(0xffffffffu, bytes, lane_mask);
-  }
-  if (threadIdx.x != 0) return;
-  rec[3] = static_cast<int64_t>(end);
-  rec[4] = static_cast<int64_t>(busy);
-  rec[5] = gridDim.x;
-  rec[8] = static_cast<int64_t>(rows);
-  rec[10] = static_cast<int64_t>(bytes);
-  unsigned long long* totals = reinterpret_cast<unsigned long long*>(p.metrics_totals) + p.layer_id * 4;
-  totals[0] += 1;  // one writer per call, and calls of one process are stream-ordered
-  totals[1] += static_cast<unsigned long long>(p.num_tokens);
-  totals[2] += rows;
-  totals[3] += bytes;
-  *ws_ptr<unsigned int>(p, p.ws_off.metrics_done) = 0;  // for the next call (after this kernel ends)
-  __threadfence();
-  atomicExch(reinterpret_cast<unsigned long long*>(rec), static_cast<unsigned long long>(epoch));
 }
 
 __device__ void moe_layer(const Params& p) {
   extern __shared__ __align__(128) unsigned char dynamic_smem[];
   bf16* gemm_smem = reinterpret_cast<bf16*>(dynamic_smem);
   __shared__ BlockShared sh;
-  BusyClock clock(p.metrics);
-  const uint64_t t_start = p.metrics && blockIdx.x == 0 && threadIdx.x == 0 ? globaltimer_ns() : 0;
+  BusyClock clock;
+  const uint64_t t_start = globaltimer_ns();
 
   if (threadIdx.x == 0) {
     uint32_t e = *ws_ptr<volatile uint32_t>(p, p.ws_off.epoch) + 1;
@@ -197,7 +159,9 @@ __device__ void moe_layer(const Params& p) {
     if (rows_sent) atomicAdd(&block_rows, static_cast<unsigned long long>(rows_sent));
     if (remote_bytes) atomicAdd(&block_bytes, static_cast<unsigned long long>(remote_bytes));
     __syncthreads();
-    publish_metrics(p, epoch, clock.busy, block_rows, block_bytes, blockIdx.x == 0 ? sh.recv.total : 0);
+    if (threadIdx.x == 0)
+      publish_metrics(p, epoch, clock.busy, globaltimer_ns(), static_cast<int64_t>(block_rows),
+                      static_cast<int64_t>(block_bytes), blockIdx.x == 0 ? sh.recv.total : 0);
   }
 }
 

@@ -40,7 +40,7 @@ LAYER_ID = 1
 START_NS = 2  # %globaltimer at kernel start
 END_NS = 3  # %globaltimer when the last block finished
 BUSY_NS = 4  # sum over blocks of the time each block did work
-BLOCKS_DONE = 5  # blocks that finished, written by the last one; complete when == NUM_BLOCKS
+BLOCKS_DONE = 5  # incremented by each block as it finishes; complete when == NUM_BLOCKS
 NUM_BLOCKS = 6
 TOKENS_IN = 7  # this rank's T
 ROWS_DISPATCHED = 8  # token rows sent to ranks, this one included
