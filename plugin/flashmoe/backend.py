@@ -36,7 +36,11 @@ class BackendChoice:
 
 
 def shape_unsupported_reason(
-    hidden_size: int, intermediate_size: int, top_k: int, world_size: int, dtype: torch.dtype | None = torch.bfloat16
+    hidden_size: int,
+    intermediate_size: int,
+    top_k: int,
+    world_size: int,
+    dtype: torch.dtype | None = torch.bfloat16,
 ) -> str | None:
     """The limits of the kernel itself, from the model config alone (no device needed): None if the
     shape fits. Engine adapters call this at config time; :func:`megakernel_unsupported_reason` adds
@@ -54,7 +58,9 @@ def shape_unsupported_reason(
     return None
 
 
-def megakernel_unsupported_reason(spec: MoELayerSpec, device: torch.device, world_size: int, quantized: bool = False) -> str | None:
+def megakernel_unsupported_reason(
+    spec: MoELayerSpec, device: torch.device, world_size: int, quantized: bool = False
+) -> str | None:
     """None if the megakernel can serve the layer on ``device``, else a one-line reason."""
     if quantized:
         return "quantized weights (the fp8 kernel does not exist yet)"
@@ -65,7 +71,9 @@ def megakernel_unsupported_reason(spec: MoELayerSpec, device: torch.device, worl
     major, minor = torch.cuda.get_device_capability(device)
     if (major, minor) != (9, 0):
         return f"GPU is sm_{major}{minor}; the megakernel is built for Hopper (sm_90a)"
-    why = shape_unsupported_reason(spec.hidden_size, spec.intermediate_size, spec.top_k, world_size, spec.dtype)
+    why = shape_unsupported_reason(
+        spec.hidden_size, spec.intermediate_size, spec.top_k, world_size, spec.dtype
+    )
     if why is not None:
         return why
     try:
@@ -85,7 +93,9 @@ def _prebuilt_available() -> bool:
     return cache_has_any_build()
 
 
-def select_backend(spec: MoELayerSpec, device: torch.device, world_size: int, quantized: bool = False) -> BackendChoice:
+def select_backend(
+    spec: MoELayerSpec, device: torch.device, world_size: int, quantized: bool = False
+) -> BackendChoice:
     forced = env("FLASHMOE_BACKEND").strip().lower()
     if forced not in ("auto", MEGAKERNEL, REFERENCE):
         raise ValueError(f"FLASHMOE_BACKEND={forced!r}: expected auto, megakernel or reference")

@@ -129,7 +129,12 @@ def make_qwen3_30b_a3b_shaped(
 
     path = Path(path)
     marker = path / "flashmoe_random_model.json"
-    want = {"seed": seed, "architecture": "Qwen3MoeForCausalLM", "num_layers": num_layers, "shapes": "qwen3-30b-a3b"}
+    want = {
+        "seed": seed,
+        "architecture": "Qwen3MoeForCausalLM",
+        "num_layers": num_layers,
+        "shapes": "qwen3-30b-a3b",
+    }
     if marker.exists() and json.loads(marker.read_text()) == want:
         return path
     path.mkdir(parents=True, exist_ok=True)
