@@ -27,7 +27,6 @@ for the machines' torch 2.11, no network there); unpacked once into ``--site``.
 from __future__ import annotations
 
 import argparse
-import http.client
 import importlib.metadata
 import json
 import os
@@ -37,9 +36,13 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "plugin"))
+from flashmoe.demo import VLLMServer  # noqa: E402
+from flashmoe.tiny_model import make_qwen3_30b_a3b_shaped  # noqa: E402
 
 RUNS = {  # name: (parallel arguments, --moe-backend or None for vLLM's own)
     "flashmoe_dp4_ep": (["--data-parallel-size", "{n}", "--enable-expert-parallel"], "flashmoe"),
@@ -94,125 +97,45 @@ def ensure_vllm(bundle: Path, site: Path) -> None:
         )
 
 
-class Server:
-    model_name = "m"
-
-    def __init__(self, model: Path, args: list[str], env: dict, log: Path, timeout: float):
-        self.log_path, self.timeout = log, timeout
-        self.port = _free_port()
-        self.cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
-        self.cmd += [
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--served-model-name",
-            self.model_name,
-            *args,
-        ]
-        self.env = {**os.environ, **env}
-        self.proc = None
-
-    def __enter__(self):
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(
-                self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
-            )
-        deadline = time.monotonic() + self.timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.tail()}")
-            try:
-                c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
-                c.request("GET", "/health")
-                if c.getresponse().status == 200:
-                    return self
-            except OSError:
-                pass
-            time.sleep(1.0)
-        self.__exit__()
-        raise TimeoutError(f"server not healthy after {self.timeout:.0f} s:\n{self.tail()}")
-
-    def __exit__(self, *exc):
-        import signal
-
-        if self.proc and self.proc.poll() is None:
-            for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-                try:
-                    os.killpg(self.proc.pid, sig)
-                    self.proc.wait(wait)
-                    break
-                except (ProcessLookupError, subprocess.TimeoutExpired):
-                    continue
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, AttributeError):
-            pass
-
-    def tail(self, n: int = 8000) -> str:
-        return self.log_path.read_text(errors="replace")[-n:]
-
-    def completion(self, prompt: list[int], max_tokens: int, stream: bool, timeout: float = 600.0):
-        body = {
-            "model": self.model_name,
-            "prompt": prompt,
-            "max_tokens": max_tokens,
-            "temperature": 0.0,
-            "ignore_eos": True,
-            "return_token_ids": True,
-            "stream": stream,
-        }
-        if stream:
-            body["stream_options"] = {"include_usage": True}
-        c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
-        c.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
-        r = c.getresponse()
-        if r.status != 200:
-            raise RuntimeError(f"HTTP {r.status}: {r.read()[:500]!r}")
-        return r
-
-    def get(self, route: str) -> str:
-        c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
-        c.request("GET", route)
-        return c.getresponse().read().decode(errors="replace")
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def greedy_ids(srv: Server, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+def greedy_ids(srv: VLLMServer, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     out = []
     for p in prompts:
-        choice = json.loads(srv.completion(p, max_tokens, stream=False).read())["choices"][0]
+        choice = srv.complete(p, max_tokens=max_tokens, timeout=600.0)
         if "token_ids" not in choice:
             raise RuntimeError(f"no token_ids in the completion: {json.dumps(choice)[:500]}")
         out.append(choice["token_ids"])
     return out
 
 
-def one_streamed(srv: Server, prompt: list[int], max_tokens: int) -> dict:
+def one_streamed(srv: VLLMServer, prompt: list[int], max_tokens: int) -> dict:
+    body = {
+        "model": srv.served_model_name,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    req = urllib.request.Request(
+        srv.url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
     t0 = time.perf_counter()
-    r = srv.completion(prompt, max_tokens, stream=True)
     first = None
     tokens = 0
-    for raw in r:
-        line = raw.strip()
-        if not line.startswith(b"data:"):
-            continue
-        data = line[5:].strip()
-        if data == b"[DONE]":
-            break
-        msg = json.loads(data)
-        if msg.get("choices"):
-            if first is None:
+    with urllib.request.urlopen(req, timeout=600.0) as r:
+        for raw in r:
+            line = raw.strip()
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                break
+            msg = json.loads(data)
+            if msg.get("choices") and first is None:
                 first = time.perf_counter()
-        if msg.get("usage"):
-            tokens = msg["usage"]["completion_tokens"]
+            if msg.get("usage"):
+                tokens = msg["usage"]["completion_tokens"]
     end = time.perf_counter()
     if tokens != max_tokens or first is None:
         raise RuntimeError(f"streamed {tokens} tokens, expected {max_tokens}")
@@ -225,7 +148,13 @@ def one_streamed(srv: Server, prompt: list[int], max_tokens: int) -> dict:
 
 
 def throughput(
-    srv: Server, concurrency: int, num_requests: int, input_len: int, output_len: int, seed: int, vocab: int
+    srv: VLLMServer,
+    concurrency: int,
+    num_requests: int,
+    input_len: int,
+    output_len: int,
+    seed: int,
+    vocab: int,
 ) -> dict:
     rng = random.Random(seed)
     prompts = [[rng.randrange(4, vocab) for _ in range(input_len)] for _ in range(num_requests)]
@@ -309,12 +238,14 @@ def run_one(name: str, args, model: Path) -> dict:
     ]
     env = dict(ENV)
     if backend:
-        vargs += ["--moe-backend", backend]
         env["FLASHMOE_STRICT"] = "1"  # a fallback would make the comparison meaningless
-    row = {"run": name, "moe_backend": backend or "auto", "vllm_args": vargs, "env": env}
     log = args.out / f"vllm_{name}.log"
+    server = VLLMServer(
+        model, vargs, moe_backend=backend, env=env, log_path=log, startup_timeout=args.startup_timeout
+    )
+    row = {"run": name, "moe_backend": backend or "auto", "vllm_args": server.cmd[3:], "env": env}
     t0 = time.monotonic()
-    with Server(model, vargs, env, log, args.startup_timeout) as srv:
+    with server as srv:
         row["startup_s"] = round(time.monotonic() - t0, 1)
         print(f"{name}: server up in {row['startup_s']} s", flush=True)
         rng = random.Random(1234)
@@ -376,9 +307,6 @@ def main() -> int:
 
     ensure_vllm(args.bundle, args.site)
     import vllm
-
-    sys.path.insert(0, str(REPO / "plugin"))
-    from flashmoe.tiny_model import make_qwen3_30b_a3b_shaped
 
     t0 = time.monotonic()
     make_qwen3_30b_a3b_shaped(args.model_dir, args.num_layers, seed=0, device="cuda")

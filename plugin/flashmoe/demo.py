@@ -39,6 +39,8 @@ class VLLMServer:
     exit kills the whole group (engine core and workers included). Output goes to ``log_path``.
     """
 
+    served_model_name = "tiny"
+
     def __init__(
         self,
         model: str | Path,
@@ -57,7 +59,14 @@ class VLLMServer:
             Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="vllm-server-", suffix=".log")[1])
         )
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model]
-        cmd += ["--host", "127.0.0.1", "--port", str(self.port), "--served-model-name", "tiny"]
+        cmd += [
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--served-model-name",
+            self.served_model_name,
+        ]
         if moe_backend is not None:
             cmd += ["--moe-backend", moe_backend]
         self.cmd = cmd + list(extra_args)
@@ -111,10 +120,11 @@ class VLLMServer:
         except ProcessLookupError:
             pass
 
-    def complete(self, prompt: str, max_tokens: int = 8, timeout: float = 120.0) -> dict:
-        """One greedy completion (``ignore_eos``: exactly ``max_tokens`` tokens); the choice as JSON."""
+    def complete(self, prompt: str | list[int], max_tokens: int = 8, timeout: float = 120.0) -> dict:
+        """One greedy completion of a text or token-id prompt (``ignore_eos``: exactly ``max_tokens``
+        tokens); the choice as JSON."""
         body = {
-            "model": "tiny",
+            "model": self.served_model_name,
             "prompt": prompt,
             "max_tokens": max_tokens,
             "temperature": 0.0,
