@@ -152,10 +152,10 @@ def megakernel_refusal(vllm_config, platform: str) -> str | None:
         )
     text_config = model.hf_text_config
     parallel = vllm_config.parallel_config
-    why = shape_unsupported_reason(
-        getattr(text_config, "hidden_size", 0),
-        getattr(text_config, "moe_intermediate_size", 0),
-        getattr(text_config, "num_experts_per_tok", 0),
+    why = shape_unsupported_reason(  # a field the config lacks (or sets to None) is not checked here
+        getattr(text_config, "hidden_size", None) or 0,
+        getattr(text_config, "moe_intermediate_size", None) or 0,
+        getattr(text_config, "num_experts_per_tok", None) or 0,
         parallel.tensor_parallel_size * parallel.data_parallel_size,
         model.dtype,
     )
