@@ -82,15 +82,9 @@ def megakernel_unsupported_reason(
         return "NVSHMEM (pip package nvidia-nvshmem-cu13) is not installed"
     from .jit import find_nvcc
 
-    if find_nvcc() is None and not _prebuilt_available():
-        return "nvcc not found (set FLASHMOE_NVCC or CUDA_HOME) and no prebuilt kernel in the cache"
+    if find_nvcc() is None:  # the JIT cache key holds the nvcc version: even a prebuilt kernel needs nvcc
+        return "nvcc not found (set FLASHMOE_NVCC or CUDA_HOME)"
     return None
-
-
-def _prebuilt_available() -> bool:
-    from .jit import cache_has_any_build
-
-    return cache_has_any_build()
 
 
 def select_backend(

@@ -123,9 +123,7 @@ def arch_for_capability(major: int, minor: int) -> str:
     return f"sm_{major}{minor}{'a' if (major, minor) == (9, 0) else ''}"
 
 
-_ARCH_RE = re.compile(
-    r"^(?:sm_|compute_)?(\d)(\d)([a-z]?)$|^(?:sm_|compute_)?(\d\d)(\d)([a-z]?)$|^(\d+)\.(\d)$"
-)
+_ARCH_RE = re.compile(r"^(?:sm_|compute_)?(\d+)(\d)([a-z]?)$|^(\d+)\.(\d)$")
 
 
 def canonical_arch(arch: str) -> str:
@@ -137,13 +135,11 @@ def canonical_arch(arch: str) -> str:
     m = _ARCH_RE.match(arch.strip().lower())
     if m is None:
         raise FlashMoEBuildError(f"unrecognised arch {arch!r}: expected e.g. sm_90a")
-    if m.group(7) is not None:  # "9.0"
-        return arch_for_capability(int(m.group(7)), int(m.group(8)))
-    major, minor, suffix = (
-        (m.group(1), m.group(2), m.group(3)) if m.group(1) else (m.group(4), m.group(5), m.group(6))
-    )
-    if (int(major), int(minor)) == (9, 0):
-        return "sm_90a"
+    if m.group(4) is not None:  # "9.0"
+        return arch_for_capability(int(m.group(4)), int(m.group(5)))
+    major, minor, suffix = int(m.group(1)), int(m.group(2)), m.group(3)
+    if (major, minor) == (9, 0):
+        return arch_for_capability(9, 0)
     return f"sm_{major}{minor}{suffix}"
 
 
@@ -485,11 +481,6 @@ def load(variant: Variant | None = None):
         torch.ops.load_library(str(result.library))
         _loaded[variant.name] = getattr(torch.ops, variant.ops_namespace)
     return _loaded[variant.name]
-
-
-def cache_has_any_build() -> bool:
-    root = cache_dir()
-    return root.is_dir() and any(root.glob("*/flashmoe_*.so"))
 
 
 def main(argv: list[str] | None = None) -> int:
