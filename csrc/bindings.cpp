@@ -16,10 +16,34 @@
 namespace {
 
 using flashmoe::Capacity;
+using flashmoe::RuntimeArgs;
+
+// The field lists come from contract.h; Python builds the lists from the same names in the same order.
+#define FLASHMOE_COUNT_FIELD(name) +1
+#define FLASHMOE_NAME_FIELD(name) #name " "
 
 Capacity to_capacity(const std::vector<int64_t>& v) {
-  TORCH_CHECK(v.size() == 7, "capacity must be [max_tokens, hidden, inter, top_k, world, max_local, num_blocks]");
-  return Capacity{v[0], v[1], v[2], v[3], v[4], v[5], v[6]};
+  constexpr size_t n = 0 FLASHMOE_CAPACITY_FIELDS(FLASHMOE_COUNT_FIELD);
+  TORCH_CHECK(v.size() == n, "capacity must be [ " FLASHMOE_CAPACITY_FIELDS(FLASHMOE_NAME_FIELD) "], got ", v.size(),
+              " values");
+  Capacity c{};
+  size_t i = 0;
+#define FLASHMOE_READ_FIELD(name) c.name = v[i++];
+  FLASHMOE_CAPACITY_FIELDS(FLASHMOE_READ_FIELD)
+#undef FLASHMOE_READ_FIELD
+  return c;
+}
+
+RuntimeArgs to_runtime(const std::vector<int64_t>& v) {
+  constexpr size_t n = 0 FLASHMOE_RUNTIME_FIELDS(FLASHMOE_COUNT_FIELD);
+  TORCH_CHECK(v.size() == n, "runtime must be [ " FLASHMOE_RUNTIME_FIELDS(FLASHMOE_NAME_FIELD) "], got ", v.size(),
+              " values");
+  RuntimeArgs r{};
+  size_t i = 0;
+#define FLASHMOE_READ_FIELD(name) r.name = v[i++];
+  FLASHMOE_RUNTIME_FIELDS(FLASHMOE_READ_FIELD)
+#undef FLASHMOE_READ_FIELD
+  return r;
 }
 
 std::vector<int64_t> capacity_bytes(std::vector<int64_t> cap) {
@@ -71,12 +95,11 @@ void moe_forward(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tens
   check_cuda(workspace, "workspace", at::kByte, dev);
   check_cuda(metrics_ring, "metrics_ring", at::kLong, dev);
   check_cuda(metrics_totals, "metrics_totals", at::kLong, dev);
-  TORCH_CHECK(status.is_pinned() && status.scalar_type() == at::kLong && status.numel() >= 8,
-              "status must be a pinned int64 host tensor of 8+ elements");
+  constexpr int64_t status_words = sizeof(flashmoe::Status) / sizeof(int64_t);
+  TORCH_CHECK(status.is_pinned() && status.scalar_type() == at::kLong && status.numel() >= status_words,
+              "status must be a pinned int64 host tensor of ", status_words, "+ elements");
   TORCH_CHECK(x.dim() == 2 && out.sizes() == x.sizes(), "out must have the shape of hidden_states");
   TORCH_CHECK(w13.dim() == 3 && w2.dim() == 3, "w13 and w2 must be 3-D");
-  TORCH_CHECK(runtime.size() == 8, "runtime must be [rank, world, num_experts, force_put, layer_id, metrics, "
-                                   "num_blocks, timeout_ns]");
   const Capacity cap = to_capacity(capacity);
   TORCH_CHECK(workspace.numel() >= flashmoe::workspace_bytes(cap), "workspace too small for the capacity");
 
@@ -86,14 +109,7 @@ void moe_forward(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tens
   a.inter = static_cast<int>(w2.size(2));
   a.top_k = static_cast<int>(topk_ids.size(1));
   a.num_local = static_cast<int>(w13.size(0));
-  a.rank = static_cast<int>(runtime[0]);
-  a.world = static_cast<int>(runtime[1]);
-  a.num_experts = static_cast<int>(runtime[2]);
-  a.force_put = static_cast<int>(runtime[3]);
-  a.layer_id = static_cast<int>(runtime[4]);
-  a.metrics = static_cast<int>(runtime[5]);
-  a.num_blocks = static_cast<int>(runtime[6]);
-  a.timeout_ns = static_cast<uint64_t>(runtime[7]);
+  a.run = to_runtime(runtime);
   a.x = x.data_ptr();
   a.topk_ids = topk_ids.data_ptr();
   a.topk_weights = topk_weights.data_ptr();

@@ -6,7 +6,7 @@
 #include <string>
 
 #include "flashmoe/api.h"
-#include "flashmoe/processor.cuh"
+#include "flashmoe/moe_layer.cuh"
 
 namespace flashmoe {
 
@@ -21,6 +21,59 @@ void check(cudaError_t err, const char* what) {
 }
 
 int smem_bytes() { return kGemmSmemBytes; }
+
+// cuTensorMapEncodeTiled through the runtime's driver entry point: the library links without -lcuda.
+using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+EncodeTiledFn encode_tiled() {
+  static const EncodeTiledFn fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    check(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &found),
+          "driver entry point cuTensorMapEncodeTiled");
+    if (found != cudaDriverEntryPointSuccess || f == nullptr)
+      throw std::runtime_error("flashmoe: the driver has no cuTensorMapEncodeTiled (needs CUDA 12+ driver)");
+    return reinterpret_cast<EncodeTiledFn>(f);
+  }();
+  return fn;
+}
+
+// A bf16 tile map with the 128-byte swizzle the wgmma descriptors expect. dims/strides: innermost first,
+// strides in bytes for dims 1.. .
+template <int Rank>
+CUtensorMap bf16_tile_map(const void* base, const cuuint64_t (&dims)[Rank], const cuuint64_t (&strides)[Rank - 1],
+                          const cuuint32_t (&box)[Rank], const char* what) {
+  CUtensorMap map;
+  cuuint32_t unit[Rank];
+  for (int i = 0; i < Rank; ++i) unit[i] = 1;
+  const CUresult r = encode_tiled()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, Rank, const_cast<void*>(base), dims, strides,
+                                    box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                    CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    throw std::runtime_error(std::string("flashmoe: cuTensorMapEncodeTiled failed for ") + what + " (CUresult " +
+                             std::to_string(static_cast<int>(r)) + ")");
+  return map;
+}
+
+// w13 [E_l, 2I, H] as [2 E_l][I/8][8][H]: one box (64 k, 8 rows, 1 group, gate+up) is 8 gate rows followed by
+// the up rows of the same 8 features, the row order store_swiglu expects.
+CUtensorMap w13_map(const void* w13, int num_local, int hidden, int inter) {
+  const cuuint64_t H = hidden, I = inter;
+  const cuuint64_t dims[4] = {H, 8, I / 8, 2ull * num_local};
+  const cuuint64_t strides[3] = {H * 2, 8 * H * 2, I * H * 2};
+  const cuuint32_t box[4] = {kTileK, 8, 1, 2};
+  return bf16_tile_map<4>(w13, dims, strides, box, "w13");
+}
+
+// w2 [E_l, H, I] as [E_l H][I]: one box is the 128 output-feature rows of a GEMM1 tile.
+CUtensorMap w2_map(const void* w2, int num_local, int hidden, int inter) {
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(inter), static_cast<cuuint64_t>(num_local) * hidden};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(inter) * 2};
+  const cuuint32_t box[2] = {kTileK, kTileWeightRows};
+  return bf16_tile_map<2>(w2, dims, strides, box, "w2");
+}
 
 void require(bool ok, const std::string& msg) {
   if (!ok) throw std::invalid_argument("flashmoe: " + msg);
@@ -84,31 +137,34 @@ int max_resident_blocks(int device) {
 }
 
 void launch(const LaunchArgs& a, const Capacity& cap, cudaStream_t stream) {
+  require(reinterpret_cast<uintptr_t>(a.w13) % 16 == 0 && reinterpret_cast<uintptr_t>(a.w2) % 16 == 0,
+          "w13 and w2 must be 16-byte aligned (TMA)");
   require(a.num_tokens >= 0 && a.num_tokens <= cap.max_tokens,
           "num_tokens " + std::to_string(a.num_tokens) + " exceeds capacity " + std::to_string(cap.max_tokens));
   require(a.hidden <= cap.hidden && a.inter <= cap.inter && a.top_k <= cap.top_k && a.num_local <= cap.max_local,
           "layer shape exceeds the buffers' capacity");
-  require(a.world == cap.world && a.world <= kMaxWorld, "world size mismatch with the buffers");
-  require(a.hidden % kBlockN == 0 && a.inter % (kBlockN / 2) == 0 && a.hidden % kBlockK == 0 && a.inter % kBlockK == 0,
-          "hidden must be a multiple of 128 and intermediate of 64");
+  require(a.run.world == cap.world && a.run.world <= kMaxWorld, "world size mismatch with the buffers");
+  require(a.hidden % kHiddenMultiple == 0 && a.inter % kInterMultiple == 0,
+          "hidden must be a multiple of " + std::to_string(kHiddenMultiple) + " and intermediate of " +
+              std::to_string(kInterMultiple));
   require(a.top_k >= 1 && a.top_k <= kMaxTopK, "top_k out of range");
   require(a.num_local >= 1 && a.num_local <= kMaxLocalExperts, "local expert count out of range");
-  require(a.num_blocks >= 1 && a.num_blocks <= cap.num_blocks, "num_blocks exceeds capacity");
+  require(a.run.num_blocks >= 1 && a.run.num_blocks <= cap.num_blocks, "num_blocks exceeds capacity");
 
   Params p{};
   p.num_tokens = a.num_tokens;
   p.hidden = a.hidden;
   p.inter = a.inter;
   p.top_k = a.top_k;
-  p.num_experts = a.num_experts;
+  p.num_experts = a.run.num_experts;
   p.num_local = a.num_local;
-  p.rank = a.rank;
-  p.world = a.world;
+  p.rank = a.run.rank;
+  p.world = a.run.world;
   p.max_tokens = static_cast<int>(cap.max_tokens);
-  p.force_put = a.force_put;
-  p.layer_id = a.layer_id;
-  p.metrics = a.metrics;
-  p.timeout_ns = a.timeout_ns;
+  p.force_put = a.run.force_put;
+  p.layer_id = a.run.layer_id;
+  p.metrics = a.run.metrics;
+  p.timeout_ns = static_cast<uint64_t>(a.run.timeout_ns);
   p.x = static_cast<const bf16*>(a.x);
   p.topk_ids = static_cast<const int*>(a.topk_ids);
   p.topk_weights = static_cast<const float*>(a.topk_weights);
@@ -125,11 +181,13 @@ void launch(const LaunchArgs& a, const Capacity& cap, cudaStream_t stream) {
   p.status = static_cast<Status*>(a.status);
   p.metrics_ring = static_cast<int64_t*>(a.metrics_ring);
   p.metrics_totals = static_cast<int64_t*>(a.metrics_totals);
+  p.tmap_w13 = w13_map(a.w13, a.num_local, a.hidden, a.inter);
+  p.tmap_w2 = w2_map(a.w2, a.num_local, a.hidden, a.inter);
 
   check(cudaFuncSetAttribute(moe_layer_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes()),
         "cudaFuncSetAttribute");
   cudaLaunchConfig_t config{};
-  config.gridDim = dim3(a.num_blocks);
+  config.gridDim = dim3(a.run.num_blocks);
   config.blockDim = dim3(kThreads);
   config.dynamicSmemBytes = smem_bytes();
   config.stream = stream;
@@ -142,9 +200,9 @@ void launch(const LaunchArgs& a, const Capacity& cap, cudaStream_t stream) {
 }
 
 std::string build_info() {
-  return std::string("flashmoe megakernel: mma.sync bf16, tile ") + std::to_string(kBlockM) + "x" +
-         std::to_string(kBlockN) + "x" + std::to_string(kBlockK) + ", " + std::to_string(kStages) +
-         " stages, stress_delay_ns=" + std::to_string(FLASHMOE_STRESS_DELAY_NS) + ", NVSHMEM " +
+ return std::string("flashmoe megakernel: wgmma bf16 swap-AB, ") + std::to_string(kTileWeightRows) +
+         " weight rows x 32/64/128 tokens x " + std::to_string(kTileK) + " k, " + std::to_string(kStages) +
+         " TMA stages, stress_delay_ns=" + std::to_string(FLASHMOE_STRESS_DELAY_NS) + ", NVSHMEM " +
          std::to_string(NVSHMEM_VENDOR_MAJOR_VERSION) + "." + std::to_string(NVSHMEM_VENDOR_MINOR_VERSION) + "." +
          std::to_string(NVSHMEM_VENDOR_PATCH_VERSION);
 }

@@ -7,14 +7,14 @@
 #include <cstdint>
 #include <string>
 
+#include "contract.h"
 #include "layout.cuh"
 
 namespace flashmoe {
 
 struct LaunchArgs {
-  int num_tokens, hidden, inter, top_k, num_experts, num_local, rank, world;
-  int force_put, layer_id, metrics, num_blocks;
-  uint64_t timeout_ns;
+  RuntimeArgs run;                                  // contract.h
+  int num_tokens, hidden, inter, top_k, num_local;  // from the tensors' shapes
   const void *x, *topk_ids, *topk_weights, *w13, *w2, *expert_rank, *expert_local;
   void* out;
   void* sym;        // this rank's symmetric region (nvshmem_malloc)

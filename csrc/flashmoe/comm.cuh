@@ -40,7 +40,7 @@ __device__ void record_timeout(const Params& p, int phase, int peer, int64_t det
     s->observed = static_cast<int64_t>(observed);
     s->block = blockIdx.x;
     __threadfence_system();
-    s->code = 1;
+    s->code = kStatusTimeout;
     __threadfence_system();
   }
 }

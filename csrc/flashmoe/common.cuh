@@ -4,6 +4,8 @@
 #include <cuda_bf16.h>
 #include <cstdint>
 
+#include "contract.h"
+
 #ifndef FLASHMOE_STRESS_DELAY_NS
 #define FLASHMOE_STRESS_DELAY_NS 0  // >0: test build that sleeps randomly before signals and waits
 #endif
@@ -12,31 +14,10 @@ namespace flashmoe {
 
 using bf16 = __nv_bfloat16;
 
-constexpr int kThreads = 256;     // 8 warps per block: the GEMM tile wants 2x4 warps
+// One producer warpgroup and two consumer warpgroups in the GEMM phases (gemm.cuh); every warp works in the
+// dispatch, receive and combine phases.
+constexpr int kThreads = 384;
 constexpr int kWarps = kThreads / 32;
-constexpr int kMaxTopK = 16;      // expert lists pack the top-k slot j into 4 bits
-constexpr int kMaxLocalExperts = 1024;  // per-rank experts; prefix sums live in shared memory
-constexpr int kMaxWorld = 64;
-
-// Phases named in timeout reports (keep in sync with plugin/flashmoe/megakernel.py PHASES).
-enum Phase : int {
-  kPhaseNone = 0,
-  kPhaseDispatchWait = 1,   // waiting for a source rank's dispatch signal
-  kPhaseCombineWait = 2,    // waiting for a destination rank's combine signal
-  kPhaseGridBarrier = 3,    // waiting for the other blocks of this kernel
-};
-
-// Status record in host-mapped memory: Python reads it without synchronising the device.
-struct Status {
-  int64_t code;     // 0 ok, 1 timeout
-  int64_t rank;
-  int64_t peer;     // rank waited for (-1 for a grid barrier)
-  int64_t phase;    // Phase
-  int64_t detail;   // barrier index or expected count
-  int64_t epoch;    // call sequence number of the failing call
-  int64_t observed; // last value read from the awaited word
-  int64_t block;    // block that gave up first
-};
 
 __device__ __forceinline__ uint64_t globaltimer_ns() {
   uint64_t t;
@@ -78,7 +59,9 @@ __device__ __forceinline__ void stress_delay(uint32_t salt) {
 #endif
 }
 
-__device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x)); }
+// Fast division (2 ulp): IEEE division has a called slow path, and a call in the GEMM function serialises its
+// wgmmas. exp(-x) overflowing to inf gives 1/inf = 0, so silu(-large) = -0 as it should.
+__device__ __forceinline__ float silu(float x) { return x * __fdividef(1.0f, 1.0f + __expf(-x)); }
 
 __host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
 

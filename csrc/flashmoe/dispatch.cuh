@@ -14,13 +14,9 @@
 
 namespace flashmoe {
 
-struct DispatchCounts {
-  int rows_sent;  // token-rank rows this block sent (metrics)
-  int puts;       // puts this block issued
-};
-
-__device__ DispatchCounts dispatch_tokens(const Params& p, const PeerTable& peers) {
-  DispatchCounts counts{0, 0};
+// Returns the token-rank rows this warp sent (metrics).
+__device__ int dispatch_tokens(const Params& p, const PeerTable& peers) {
+  int rows_sent = 0;
   const int lane = threadIdx.x & 31;
   const int warps_total = gridDim.x * kWarps;
   const int warp_global = blockIdx.x * kWarps + (threadIdx.x >> 5);
@@ -32,8 +28,12 @@ __device__ DispatchCounts dispatch_tokens(const Params& p, const PeerTable& peer
   for (int t = warp_global; t < p.num_tokens; t += warps_total) {
     int e = lane < k ? __ldg(p.topk_ids + static_cast<int64_t>(t) * k + lane) : -1;
     if (e >= p.num_experts) e = -1;  // out-of-range ids are skipped, never read out of bounds
+    // A slot naming the same expert as an earlier slot of this row is computed once: its metadata entry is -1
+    // and the combine reads the first slot's row for it (the output is still the sum over all slots).
+    const unsigned twins = __match_any_sync(0xffffffffu, e);
+    const bool repeat = e >= 0 && (__ffs(twins) - 1) != lane;
     const int dest = e >= 0 ? __ldg(p.expert_rank + e) : -1;
-    const int local = e >= 0 ? __ldg(p.expert_local + e) : -1;
+    const int local = e >= 0 && !repeat ? __ldg(p.expert_local + e) : -1;
     const unsigned same = __match_any_sync(0xffffffffu, dest);
     const bool leader = dest >= 0 && (__ffs(same) - 1) == lane;
     unsigned leaders = __ballot_sync(0xffffffffu, leader);
@@ -52,7 +52,7 @@ __device__ DispatchCounts dispatch_tokens(const Params& p, const PeerTable& peer
       slot = __shfl_sync(0xffffffffu, slot, L);
       const int meta_value = lane == 0 ? t : (dest_prev == r ? local_prev : -1);
       const int64_t row = static_cast<int64_t>(p.rank) * p.max_tokens + slot;  // our rows at the destination
-      ++counts.rows_sent;
+      ++rows_sent;
 
       if (use_p2p(peers, r)) {
         int* meta = reinterpret_cast<int*>(peers.base[r] + p.sym_off.recv_meta) + row * mstride;
@@ -72,11 +72,10 @@ __device__ DispatchCounts dispatch_tokens(const Params& p, const PeerTable& peer
         nvshmemx_putmem_nbi_warp(sym_ptr<int>(p, p.sym_off.recv_meta) + row * mstride, meta_stage, mstride * 4, r);
         nvshmemx_putmem_nbi_warp(sym_ptr<bf16>(p, p.sym_off.recv_tokens) + row * H,
                                  sym_ptr<bf16>(p, p.sym_off.send_tokens) + static_cast<int64_t>(t) * H, H * 2, r);
-        ++counts.puts;
       }
     }
   }
-  return counts;
+  return rows_sent;
 }
 
 }  // namespace flashmoe

@@ -1,146 +1,250 @@
-// Tensor-core tile GEMM for the expert tasks: C[64 x 128] = A[64 x K] * B[128 x K]^T, bf16 in, fp32 accumulate.
+// The expert GEMM engine (Hopper): swap-AB tiles, weights by TMA, tokens by cp.async, wgmma, an mbarrier
+// pipeline between a producer warpgroup and two consumer warpgroups.
 //
-// A rows are gathered (a row pointer per tile row; missing rows are zero-filled), B is a weight slab
-// read in place from the engine's tensors (rows = output features, K contiguous), so no weight is copied or
-// repacked at call time. mma.sync m16n8k16 with ldmatrix, 3-stage cp.async pipeline, 8 warps as 2 (M) x 4 (N),
-// each warp 32 x 32. For the fused SwiGLU GEMM0 the 128 B rows are 64 gate rows then 64 up rows, and each
-// warp takes 16 gate columns and the same 16 up columns, so a thread holds gate and up of the same output
-// element and the activation happens in registers.
+// Every expert GEMM computes out[token, feature] = sum_k x[token, k] * W[feature, k] as
+// D[feature, token] = W[feature, :] . x[token, :] ("swap-AB"): 64 weight rows are wgmma's A operand and the
+// tokens its N side (32, 64 or 128 per tile, chosen per expert from its row count). An expert with one row
+// wastes no tensor-core row, and each weight tile streams from HBM once per call however few tokens use it.
+//
+//   warpgroup 0     producer: thread 0 issues the TMA loads of the 128 weight rows of a stage (128-byte
+//                   swizzle); all 128 threads gather the stage's token rows with cp.async into the same
+//                   swizzled layout, completing on the stage's `full` barrier.
+//   warpgroups 1,2  consumers: 64 weight rows each, wgmma m64nNk16 into fp32 registers; a warp releases a
+//                   stage (`empty`) once its wgmma on it completed.
+//
+// The pipeline is never drained between tiles or phases: the producer runs ahead into the next tile while
+// the consumers run an epilogue. Tasks (tasks.cuh) call produce_tile / consume_tile and the store_* epilogue
+// helpers; only this file knows the accumulator layout.
 #pragma once
 
-#include "common.cuh"
+#include "comm.cuh"
+#include "hopper.cuh"
+#include "params.cuh"
 
 namespace flashmoe {
 
-constexpr int kBlockM = 64;
-constexpr int kBlockN = 128;
-constexpr int kBlockK = 64;
-constexpr int kStages = 3;
-constexpr int kSmemStride = kBlockK + 8;  // +16 B per row: ldmatrix rows hit distinct banks
-constexpr int kStageElems = (kBlockM + kBlockN) * kSmemStride;
-constexpr int kGemmSmemBytes = kStages * kStageElems * 2;
+constexpr int kStages = 5;
+constexpr int kTileK = 64;               // 64 bf16 = one 128-byte swizzle row
+constexpr int kConsumers = 2;            // consumer warpgroups
+constexpr int kConsumerRows = 64;        // weight rows per consumer (wgmma M)
+constexpr int kTileWeightRows = kConsumers * kConsumerRows;
+constexpr int kMaxTileTokens = 128;
+constexpr int kProducerThreads = 128;
+constexpr int kStageWeightBytes = kTileWeightRows * kTileK * 2;  // 16 KiB
+constexpr int kStageTokenBytes = kMaxTileTokens * kTileK * 2;    // 16 KiB
+constexpr int kStageBytes = kStageWeightBytes + kStageTokenBytes;
+constexpr int kFullArrivals = 1 + kProducerThreads;  // TMA expect-tx + every producer thread's cp.async
+constexpr int kEmptyArrivals = kConsumers * 4;       // every consumer warp
+// Epilogue staging, per consumer: [token][feature] bf16, rows padded by 16 B to spread banks.
+constexpr int kStagingStride = kConsumerRows + 8;
+constexpr int kStagingBytes = kMaxTileTokens * kStagingStride * 2;
 
-struct Accum {
-  float c[2][4][4];  // [m16 fragment][n8 fragment][element]
+static_assert(kThreads == kProducerThreads + kConsumers * 128, "one producer and two consumer warpgroups");
+static_assert(kConsumers * kConsumerRows == kHiddenMultiple, "GEMM1 output tile = H step");
+static_assert(kConsumers * kConsumerRows / 2 == kInterMultiple, "GEMM0 output tile (gate+up rows) = I step");
+static_assert(kTileK == kInterMultiple, "GEMM1 K step");
+
+// Dynamic shared memory, carved from a 1024-byte aligned base (the 128-byte swizzle needs it).
+constexpr int kStagesOffset = 0;
+constexpr int kStagingOffset = kStagesOffset + kStages * kStageBytes;
+constexpr int kRowDstOffset = kStagingOffset + kConsumers * kStagingBytes;             // int64 [2][128]
+constexpr int kRowRankOffset = kRowDstOffset + kConsumers * kMaxTileTokens * 8;       // int [2][128]
+constexpr int kBarrierOffset = kRowRankOffset + kConsumers * kMaxTileTokens * 4;      // u64 [2][kStages]
+constexpr int kGemmSmemUsed = kBarrierOffset + 2 * kStages * 8;
+constexpr int kGemmSmemBytes = kGemmSmemUsed + 1024;  // alignment slack of the dynamic base
+
+struct GemmSmem {
+  char* base;
+  uint32_t epoch;  // for timeout reports
+
+  __device__ static GemmSmem carve(char* dynamic_smem, uint32_t epoch) {
+    const uintptr_t a = (reinterpret_cast<uintptr_t>(dynamic_smem) + 1023) & ~static_cast<uintptr_t>(1023);
+    return GemmSmem{reinterpret_cast<char*>(a), epoch};
+  }
+  __device__ char* stage(int s) const { return base + kStagesOffset + s * kStageBytes; }
+  __device__ bf16* staging(int consumer) const {
+    return reinterpret_cast<bf16*>(base + kStagingOffset + consumer * kStagingBytes);
+  }
+  __device__ int64_t* row_dst(int consumer) const {
+    return reinterpret_cast<int64_t*>(base + kRowDstOffset) + consumer * kMaxTileTokens;
+  }
+  __device__ int* row_rank(int consumer) const {
+    return reinterpret_cast<int*>(base + kRowRankOffset) + consumer * kMaxTileTokens;
+  }
+  __device__ uint64_t* full(int s) const { return reinterpret_cast<uint64_t*>(base + kBarrierOffset) + s; }
+  __device__ uint64_t* empty(int s) const { return reinterpret_cast<uint64_t*>(base + kBarrierOffset) + kStages + s; }
+
+  // Thread 0, once per launch, before the first __syncthreads.
+  __device__ void init_barriers() const {
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(full(s), kFullArrivals);
+      mbar_init(empty(s), kEmptyArrivals);
+    }
+    mbar_init_fence();
+  }
 };
 
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+// Position in the stage ring; producer and consumers advance identical copies (same tiles, same K steps).
+struct PipeState {
+  int stage = 0;
+  uint32_t phase = 0;
+  __device__ void advance() {
+    if (++stage == kStages) {
+      stage = 0;
+      phase ^= 1u;
+    }
+  }
+};
+
+// Bounded wait on a pipeline barrier: a stall here is a kernel bug, reported like any other timeout (detail:
+// the barrier's byte offset in the GEMM area and the thread; observed: the parity waited for).
+__device__ __forceinline__ void pipe_wait(const Params& p, const GemmSmem& g, uint64_t* bar, uint32_t parity) {
+  if (mbar_try_wait(bar, parity)) return;
+  const uint64_t start = globaltimer_ns();
+  uint32_t spins = 0;
+  while (!mbar_try_wait(bar, parity)) {
+    if ((++spins & 15) == 0) {
+      if (aborted(p)) return;
+      if (globaltimer_ns() - start > p.timeout_ns) {
+        const int64_t where = reinterpret_cast<char*>(bar) - g.base;
+        record_timeout(p, kPhaseGemmPipeline, -1, (static_cast<int64_t>(threadIdx.x) << 32) | where, g.epoch, parity);
+        return;
+      }
+    }
+  }
 }
 
-__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
-  const int bytes = valid ? 16 : 0;  // 0: zero-fill without reading
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)), "l"(gmem), "r"(bytes));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+// Runs f(std::integral_constant<int, N>) for the tile's token count N (32, 64 or 128).
 template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
-
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr(p)));
+struct TileTokens {
+  static constexpr int value = N;
+};
+template <typename F>
+__device__ __forceinline__ void with_tile_tokens(int n, F&& f) {
+  if (n <= 32) f(TileTokens<32>{});
+  else if (n <= 64) f(TileTokens<64>{});
+  else f(TileTokens<128>{});
 }
+// Token tile for an expert with `rows` rows: the smallest that holds them, else 128-row tiles.
+__host__ __device__ constexpr int tile_tokens_for(int rows) { return rows <= 32 ? 32 : rows <= 64 ? 64 : 128; }
 
-__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// B-tile row where n8 fragment pair `pair` (0: fragments 0-1, 1: fragments 2-3) of warp column `wn` starts.
-template <bool kSwiGLU>
-__device__ __forceinline__ int b_pair_row(int wn, int pair) {
-  if constexpr (kSwiGLU) return pair * (kBlockN / 2) + wn * 16;  // gate cols, then the same up cols
-  else return wn * 32 + pair * 16;
-}
-
-// a_rows[r]: start of tile row r (nullptr = absent, zero-filled). b: first of 128 rows, row stride ldb.
-// `b_row_offset(i)` maps tile row i in [0,128) to the element offset of that B row.
-template <bool kSwiGLU, typename BRowOffset>
-__device__ void gemm_tile(const bf16* const* a_rows, const bf16* b, BRowOffset b_row_offset, int K, bf16* smem,
-                          Accum& acc) {
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int wm = warp >> 2, wn = warp & 3;
-#pragma unroll
-  for (int i = 0; i < 2; ++i)
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc.c[i][j][e] = 0.f;
-
-  const int k_tiles = K / kBlockK;
-  auto load_stage = [&](int stage, int kt) {
-    bf16* sa = smem + stage * kStageElems;
-    bf16* sb = sa + kBlockM * kSmemStride;
-    const int k0 = kt * kBlockK;
-    // A: 64 rows x 8 chunks of 16 B = 512 chunks, 2 per thread.
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int c = tid + i * kThreads, row = c >> 3, col = (c & 7) * 8;
-      const bf16* src = a_rows[row];
-      cp_async_16(sa + row * kSmemStride + col, src ? src + k0 + col : b, src != nullptr);
+// Producer side of one tile. `rows[i]` is this thread's token row (tile row (tid / 8) + 16 i), nullptr past
+// the valid rows (zero-filled); `issue_weights(stage, full_barrier, k0)` issues the TMA loads of the stage's
+// 128 weight rows (kStageWeightBytes in total).
+template <int N, typename IssueWeights>
+__device__ __forceinline__ void produce_tile(const Params& p, const GemmSmem& g, PipeState& st,
+                                             const bf16* const (&rows)[N / 16], int k_steps, IssueWeights issue_weights) {
+  const int tid = threadIdx.x;  // 0..127
+  const int chunk = tid & 7;    // 16-byte chunk of the 128-byte row
+  for (int ks = 0; ks < k_steps; ++ks) {
+    pipe_wait(p, g, g.empty(st.stage), st.phase ^ 1u);
+    char* stage = g.stage(st.stage);
+    uint64_t* full = g.full(st.stage);
+    if (tid == 0) {
+      mbar_arrive_expect_tx(full, kStageWeightBytes);
+      issue_weights(stage, full, ks * kTileK);
     }
-    // B: 128 rows x 8 chunks = 1024 chunks, 4 per thread.
+    const uint32_t tokens = smem_addr(stage + kStageWeightBytes);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int c = tid + i * kThreads, row = c >> 3, col = (c & 7) * 8;
-      cp_async_16(sb + row * kSmemStride + col, b + b_row_offset(row) + k0 + col, true);
+    for (int i = 0; i < N / 16; ++i) {
+      const int r = (tid >> 3) + 16 * i;
+      const uint32_t dst = tokens + r * 128 + ((chunk ^ (r & 7)) << 4);  // the 128-byte swizzle
+      const bf16* src = rows[i] != nullptr ? rows[i] + ks * kTileK + chunk * 8 : p.x;
+      cp_async_16(dst, src, rows[i] != nullptr);
     }
-  };
-
-#pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
-    if (s < k_tiles) load_stage(s, s);
-    cp_async_commit();
+    mbar_arrive_on_cp_async(full);
+    st.advance();
   }
-  for (int kt = 0; kt < k_tiles; ++kt) {
-    cp_async_wait<kStages - 2>();
-    __syncthreads();
-    const int next = kt + kStages - 1;
-    if (next < k_tiles) load_stage(next % kStages, next);
-    cp_async_commit();
-
-    const bf16* sa = smem + (kt % kStages) * kStageElems;
-    const bf16* sb = sa + kBlockM * kSmemStride;
-#pragma unroll
-    for (int kk = 0; kk < kBlockK / 16; ++kk) {
-      uint32_t a[2][4], bq[2][4];
-#pragma unroll
-      for (int mf = 0; mf < 2; ++mf) {
-        const int row = wm * 32 + mf * 16 + (lane & 15);
-        const int col = kk * 16 + (lane >> 4) * 8;
-        ldmatrix_x4(a[mf], sa + row * kSmemStride + col);
-      }
-#pragma unroll
-      for (int pair = 0; pair < 2; ++pair) {
-        const int row = b_pair_row<kSwiGLU>(wn, pair) + (lane >> 4) * 8 + (lane & 7);
-        const int col = kk * 16 + ((lane >> 3) & 1) * 8;
-        ldmatrix_x4(bq[pair], sb + row * kSmemStride + col);
-      }
-#pragma unroll
-      for (int mf = 0; mf < 2; ++mf)
-#pragma unroll
-        for (int nf = 0; nf < 4; ++nf) {
-          const uint32_t* q = bq[nf >> 1];
-          mma_bf16(acc.c[mf][nf], a[mf], q[(nf & 1) * 2], q[(nf & 1) * 2 + 1]);
-        }
-    }
-  }
-  cp_async_wait<0>();
-  __syncthreads();  // the caller may reuse smem for its epilogue
 }
 
-// Output coordinates of accumulator element (mf, nf, e) for this thread, in the 64 x 128 tile
-// (for kSwiGLU, the column is the intermediate column within the 64-wide tile; nf 0-1 gate, 2-3 up).
-template <bool kSwiGLU>
-__device__ __forceinline__ void acc_coord(int mf, int nf, int e, int& row, int& col) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wm = warp >> 2, wn = warp & 3;
-  row = wm * 32 + mf * 16 + (lane >> 2) + (e >> 1) * 8;
-  if constexpr (kSwiGLU) col = wn * 16 + (nf & 1) * 8 + (lane & 3) * 2 + (e & 1);
-  else col = wn * 32 + nf * 8 + (lane & 3) * 2 + (e & 1);
+// Consumer side of one tile: acc = this consumer's 64 weight rows x N tokens over K.
+template <int N>
+__device__ __forceinline__ void consume_tile(const Params& p, const GemmSmem& g, PipeState& st, int k_steps,
+                                             float (&acc)[N / 2]) {
+  const int consumer = threadIdx.x / 128 - 1;
+  const bool warp_leader = (threadIdx.x & 31) == 0;
+  int previous = -1;
+  int ks = 0;
+  do {  // k_steps >= 1 (K is a multiple of kTileK); a do-loop keeps ptxas's wgmma pipeline analysis simple
+    pipe_wait(p, g, g.full(st.stage), st.phase);
+    fence_proxy_async();  // the token rows arrived through cp.async (generic proxy)
+    const uint32_t stage = smem_addr(g.stage(st.stage));
+    const uint64_t a = sw128_desc(stage + consumer * kConsumerRows * 128);
+    const uint64_t b = sw128_desc(stage + kStageWeightBytes);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kTileK / 16; ++kk) Wgmma<N>::mma(acc, a + 2 * kk, b + 2 * kk, ks > 0 || kk > 0);
+    wgmma_commit();
+    wgmma_wait<1>();  // the previous step's wgmma is done: its stage can be refilled
+    if (previous >= 0 && warp_leader) mbar_arrive(g.empty(previous));
+    previous = st.stage;
+    st.advance();
+  } while (++ks < k_steps);
+  wgmma_wait<0>();
+  fence_accumulators(acc);
+  if (previous >= 0 && warp_leader) mbar_arrive(g.empty(previous));
+}
+
+// Named barrier of one consumer warpgroup (ids 1, 2; 0 is __syncthreads).
+__device__ __forceinline__ void consumer_sync(int consumer) {
+  asm volatile("bar.sync %0, 128;\n" ::"r"(1 + consumer) : "memory");
+}
+
+// ---- Epilogues: accumulators -> bf16 [token][feature] rows in the consumer's staging area.
+// wgmma m64nN fp32 layout: warp w, lane l holds, for each 8-token group j, rows 16w + l/4 (+8) and
+// tokens 8j + 2(l%4) (+1).
+
+// GEMM0 tile whose 64 A rows are 4 groups of (8 gate rows, 8 up rows) of the same 8 features (that is how
+// the w13 tensor map loads them): a thread holds gate and up of one feature, so SwiGLU happens here.
+// Writes features 0..31 of the consumer's slice.
+template <int N>
+__device__ __forceinline__ void store_swiglu(const float (&acc)[N / 2], bf16* staging) {
+  const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
+  const int f = 8 * warp + (lane >> 2);
+#pragma unroll
+  for (int j = 0; j < N / 8; ++j) {
+    const int t = 8 * j + 2 * (lane & 3);
+    staging[t * kStagingStride + f] = __float2bfloat16_rn(silu(acc[4 * j]) * acc[4 * j + 2]);
+    staging[(t + 1) * kStagingStride + f] = __float2bfloat16_rn(silu(acc[4 * j + 1]) * acc[4 * j + 3]);
+  }
+}
+
+// Plain tile: features 0..63 of the consumer's slice.
+template <int N>
+__device__ __forceinline__ void store_plain(const float (&acc)[N / 2], bf16* staging) {
+  const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
+  const int f = 16 * warp + (lane >> 2);
+#pragma unroll
+  for (int j = 0; j < N / 8; ++j) {
+    const int t = 8 * j + 2 * (lane & 3);
+    staging[t * kStagingStride + f] = __float2bfloat16_rn(acc[4 * j]);
+    staging[(t + 1) * kStagingStride + f] = __float2bfloat16_rn(acc[4 * j + 1]);
+    staging[t * kStagingStride + f + 8] = __float2bfloat16_rn(acc[4 * j + 2]);
+    staging[(t + 1) * kStagingStride + f + 8] = __float2bfloat16_rn(acc[4 * j + 3]);
+  }
+}
+
+// The one entry point of the consumer side: run a tile's mainloop and leave its bf16 rows in `staging`
+// ([token][feature], kStagingStride apart): SwiGLU'd features 0..31 for a gate/up tile, else features 0..63.
+// A separate function without calls: ptxas serialises the wgmmas of a function that calls device code.
+// Smem layout and pipeline state travel by value, so the mainloop keeps them in registers; one function per
+// tile shape keeps ptxas's wgmma pipeline analysis to one accumulator set.
+template <bool kGateUp, int N>
+__device__ __noinline__ PipeState mma_tile_to_staging(const Params& p, const GemmSmem g, PipeState st, int k_steps,
+                                                      bf16* staging) {
+  float acc[N / 2];
+  consume_tile<N>(p, g, st, k_steps, acc);
+  if constexpr (kGateUp) store_swiglu<N>(acc, staging);
+  else store_plain<N>(acc, staging);
+  return st;
+}
+
+template <bool kGateUp>
+__device__ __forceinline__ PipeState mma_tile_to_staging(const Params& p, const GemmSmem& g, PipeState st,
+                                                         int tile_tokens, int k_steps, bf16* staging) {
+  if (tile_tokens <= 32) return mma_tile_to_staging<kGateUp, 32>(p, g, st, k_steps, staging);
+  if (tile_tokens <= 64) return mma_tile_to_staging<kGateUp, 64>(p, g, st, k_steps, staging);
+  return mma_tile_to_staging<kGateUp, 128>(p, g, st, k_steps, staging);
 }
 
 }  // namespace flashmoe

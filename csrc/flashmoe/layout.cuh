@@ -8,7 +8,7 @@
 //              signals       2*W*8            dispatch / combine, (epoch << 32) | count
 //              send_tokens   T*H*2            put path only: x staged in registered memory
 //              send_meta     W*T*(1+k)*4      put path only
-//              combine_stage B*64*128*2       put path only: one GEMM1 output tile per block
+//              combine_stage B*128*128*2      put path only: one GEMM1 output tile per block
 //   workspace  expert_rows   E_l*W*T*4        per local expert: received (row, j) entries
 //              act           W*T*min(k,E_l)*I*2   SwiGLU activations, grouped by expert
 //              counters      small
@@ -16,21 +16,13 @@
 
 #include <cstdint>
 
+#include "contract.h"
+
 #ifndef __CUDACC__
 #include <cuda_runtime.h>  // __host__ / __device__ for the host compiler
 #endif
 
 namespace flashmoe {
-
-struct Capacity {
-  int64_t max_tokens;   // per rank per call
-  int64_t hidden;       // largest H
-  int64_t inter;        // largest I
-  int64_t top_k;        // largest k
-  int64_t world;        // EP size
-  int64_t max_local;    // most experts on one rank
-  int64_t num_blocks;   // persistent grid size
-};
 
 constexpr int64_t kAlign = 256;
 __host__ __device__ constexpr int64_t align_up(int64_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
@@ -52,8 +44,8 @@ struct WorkspaceLayout {
   int64_t total;
 };
 
-constexpr int kTileRowsMax = 64;   // GEMM block_M
-constexpr int kTileColsOut = 128;  // GEMM1 block_N
+// Put path: one GEMM1 output tile per block (up to 128 tokens x 128 features, bf16).
+constexpr int64_t kCombineStageBytesPerBlock = 128 * kHiddenMultiple * 2;
 
 __host__ __device__ inline int64_t meta_stride(int64_t top_k) { return 1 + top_k; }
 
@@ -68,7 +60,7 @@ __host__ __device__ inline SymLayout sym_layout(const Capacity& c) {
   l.combine_signal = take(c.world * 8);
   l.send_tokens = take(c.max_tokens * c.hidden * 2);
   l.send_meta = take(c.world * c.max_tokens * meta_stride(c.top_k) * 4);
-  l.combine_stage = take(c.num_blocks * kTileRowsMax * kTileColsOut * 2);
+  l.combine_stage = take(c.num_blocks * kCombineStageBytesPerBlock);
   l.total = off;
   return l;
 }

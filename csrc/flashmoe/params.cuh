@@ -1,6 +1,8 @@
 // Everything one launch needs, passed by value as a __grid_constant__ parameter.
 #pragma once
 
+#include <cuda.h>  // CUtensorMap
+
 #include <cstdint>
 
 #include "common.cuh"
@@ -40,18 +42,18 @@ struct Params {
   WorkspaceLayout ws_off;
   int64_t expert_rows_stride;  // entries per local expert list (W * max_tokens)
 
+  // TMA descriptors of this call's weights (built on the host per launch, see kernel.cu).
+  CUtensorMap tmap_w13;  // w13 as [2 E_l][I/8][8][H]: gate/up rows of 8 features per box
+  CUtensorMap tmap_w2;  // w2 as [E_l H][I]
+
   Status* status;              // host-mapped
-  int64_t* metrics_ring;       // [kRingSlots, 16]
-  int64_t* metrics_totals;     // [kMaxLayers, 4]
+  int64_t* metrics_ring;       // [kRingSlots, kRingFields]
+  int64_t* metrics_totals;     // [kMaxLayers, kTotalsFields]
 };
 
 template <typename T>
 __device__ __forceinline__ T* sym_ptr(const Params& p, int64_t off) { return reinterpret_cast<T*>(p.sym + off); }
 template <typename T>
 __device__ __forceinline__ T* ws_ptr(const Params& p, int64_t off) { return reinterpret_cast<T*>(p.ws + off); }
-
-constexpr int kRingSlots = 4096;
-constexpr int kRingFields = 16;
-constexpr int kMaxLayers = 1024;
 
 }  // namespace flashmoe

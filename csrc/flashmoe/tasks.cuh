@@ -1,7 +1,10 @@
-// Expert tasks on a 64-row tile of one local expert.
-//   GEMM0: act = silu(x W_gate^T) * (x W_up^T), x gathered from the receive buffer, W = the engine's w13.
-//   GEMM1: y = act W2^T, written as bf16 straight into the combine buffer of the rank that owns the token, at
-//          slot (token, j), so the source can reduce over j in a fixed order (deterministic, no atomics).
+// Expert tasks: what each GEMM phase reads and where its tiles go. The GEMM engine (gemm.cuh) does the math.
+//   GEMM0: act = silu(x W_gate^T) * (x W_up^T); x = received rows gathered through the expert's list,
+//          W = the engine's w13 read in place (gate and up rows of 32 features per consumer, one mainloop).
+//   GEMM1: y = act W2^T, each bf16 row written straight into the combine buffer of the rank that owns the
+//          token, at slot (token, j), so the source reduces over j in a fixed order (no atomics).
+// Producer functions run on warpgroup 0, consumer functions on warpgroups 1 and 2; both walk the same
+// task list, so their pipeline states stay in step.
 #pragma once
 
 #include "comm.cuh"
@@ -12,123 +15,141 @@
 
 namespace flashmoe {
 
-struct TileRows {
-  const bf16* a[kBlockM];     // A row pointers (nullptr past the valid rows)
-  int64_t dst_offset[kBlockM];  // GEMM1: element offset of the row in the owner's combine buffer
-  int dst_rank[kBlockM];
-};
+constexpr int kGemm0TileFeatures = kInterMultiple;   // 64 intermediate features (x2 rows: gate and up)
+constexpr int kGemm1TileFeatures = kHiddenMultiple;  // 128 hidden features
 
-__device__ void run_gemm0_task(const Params& p, const ExpertTable& table, const Task& task, TileRows& rows,
-                               bf16* smem) {
-  const int H = p.hidden, I = p.inter;
-  const int* list = ws_ptr<int>(p, p.ws_off.expert_rows) + static_cast<int64_t>(task.expert) * p.expert_rows_stride;
-  const bf16* recv = sym_ptr<bf16>(p, p.sym_off.recv_tokens);
-  if (threadIdx.x < kBlockM) {
-    const int r = threadIdx.x;
-    rows.a[r] = r < task.rows ? recv + static_cast<int64_t>(ldcg(list + task.m_tile * kBlockM + r) >> 4) * H : nullptr;
-  }
-  __syncthreads();
-  const bf16* w = p.w13 + static_cast<int64_t>(task.expert) * 2 * I * H;
-  const int n0 = task.n_tile * (kBlockN / 2);
-  auto b_row = [=](int i) -> int64_t {
-    return static_cast<int64_t>(i < kBlockN / 2 ? n0 + i : I + n0 + i - kBlockN / 2) * H;
-  };
-  Accum acc;
-  gemm_tile<true>(rows.a, w, b_row, H, smem, acc);
-
-  bf16* act = ws_ptr<bf16>(p, p.ws_off.act) +
-              static_cast<int64_t>(table.row_offset[task.expert] + task.m_tile * kBlockM) * I + n0;
-#pragma unroll
-  for (int mf = 0; mf < 2; ++mf)
-#pragma unroll
-    for (int nf = 0; nf < 2; ++nf)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        int row, col;
-        acc_coord<true>(mf, nf, h * 2, row, col);
-        if (row < task.rows) {
-          const float g0 = acc.c[mf][nf][h * 2], g1 = acc.c[mf][nf][h * 2 + 1];
-          const float u0 = acc.c[mf][nf + 2][h * 2], u1 = acc.c[mf][nf + 2][h * 2 + 1];
-          *reinterpret_cast<__nv_bfloat162*>(act + static_cast<int64_t>(row) * I + col) =
-              __floats2bfloat162_rn(silu(g0) * u0, silu(g1) * u1);
-        }
-      }
-  __syncthreads();  // rows.a is rewritten by the next task
+__device__ __forceinline__ const int* expert_list(const Params& p, int expert) {
+  return ws_ptr<int>(p, p.ws_off.expert_rows) + static_cast<int64_t>(expert) * p.expert_rows_stride;
 }
 
-// Returns the bytes this task sent to other ranks (metrics).
-__device__ int64_t run_gemm1_task(const Params& p, const PeerTable& peers, const ExpertTable& table, const Task& task,
-                                  TileRows& rows, bf16* smem) {
-  const int H = p.hidden, I = p.inter, k = p.top_k;
-  const int* list = ws_ptr<int>(p, p.ws_off.expert_rows) + static_cast<int64_t>(task.expert) * p.expert_rows_stride;
+// ---------------------------------------------------------------- GEMM0
+// The GEMM loops are separate functions without NVSHMEM calls: ptxas serialises every wgmma of a function
+// that calls an external (relocatable) device function.
+__device__ __noinline__ void produce_gemm0(const Params& p, const GemmSmem& g, const ExpertTable& table, PipeState& st) {
+  const int feature_tiles = p.inter / kGemm0TileFeatures;
+  const int total = total_tasks(table, p.num_local, feature_tiles);
+  const bf16* recv = sym_ptr<bf16>(p, p.sym_off.recv_tokens);
+  for (int index = blockIdx.x; index < total; index += gridDim.x) {
+    const Task task = decode_task(table, p.num_local, feature_tiles, index);
+    const int* list = expert_list(p, task.expert) + task.first_row;
+    with_tile_tokens(task.tile_tokens, [&](auto tile) {
+      constexpr int N = decltype(tile)::value;
+      const bf16* rows[N / 16];
+#pragma unroll
+      for (int i = 0; i < N / 16; ++i) {
+        const int r = (threadIdx.x >> 3) + 16 * i;
+        rows[i] = r < task.rows ? recv + static_cast<int64_t>(ldcg(list + r) >> 4) * p.hidden : nullptr;
+      }
+      // w13 viewed as [2 E_l][I/8][8][H]: one box = 8 gate rows then the same 8 features' up rows.
+      produce_tile<N>(p, g, st, rows, p.hidden / kTileK, [&](char* stage, uint64_t* full, int k0) {
+#pragma unroll
+        for (int q = 0; q < kGemm0TileFeatures / 8; ++q)
+          tma_load_4d(stage + q * 16 * 128, &p.tmap_w13, full, k0, 0, task.feature_tile * (kGemm0TileFeatures / 8) + q,
+                      2 * task.expert);
+      });
+    });
+  }
+}
+
+__device__ void consume_gemm0(const Params& p, const GemmSmem& g, const ExpertTable& table, PipeState& st) {
+  const int consumer = threadIdx.x / 128 - 1, tid = threadIdx.x & 127;
+  const int feature_tiles = p.inter / kGemm0TileFeatures;
+  const int total = total_tasks(table, p.num_local, feature_tiles);
+  bf16* staging = g.staging(consumer);
+  constexpr int kFeatures = kGemm0TileFeatures / kConsumers;  // 32 per consumer
+  for (int index = blockIdx.x; index < total; index += gridDim.x) {
+    const Task task = decode_task(table, p.num_local, feature_tiles, index);
+    st = mma_tile_to_staging<true>(p, g, st, task.tile_tokens, p.hidden / kTileK, staging);
+    consumer_sync(consumer);
+    bf16* act = ws_ptr<bf16>(p, p.ws_off.act) +
+                static_cast<int64_t>(table.row_offset[task.expert] + task.first_row) * p.inter +
+                task.feature_tile * kGemm0TileFeatures + consumer * kFeatures;
+    constexpr int kChunks = kFeatures / 8;  // 16-byte chunks per row
+    for (int c = tid; c < task.rows * kChunks; c += 128) {
+      const int r = c / kChunks, q = c % kChunks;
+      *reinterpret_cast<uint4*>(act + static_cast<int64_t>(r) * p.inter + q * 8) =
+          *reinterpret_cast<const uint4*>(staging + r * kStagingStride + q * 8);
+    }
+    consumer_sync(consumer);  // staging is rewritten by the next tile
+  }
+}
+
+// ---------------------------------------------------------------- GEMM1
+__device__ __noinline__ void produce_gemm1(const Params& p, const GemmSmem& g, const ExpertTable& table, PipeState& st) {
+  const int feature_tiles = p.hidden / kGemm1TileFeatures;
+  const int total = total_tasks(table, p.num_local, feature_tiles);
+  const bf16* act = ws_ptr<bf16>(p, p.ws_off.act);
+  for (int index = blockIdx.x; index < total; index += gridDim.x) {
+    const Task task = decode_task(table, p.num_local, feature_tiles, index);
+    const int64_t first = table.row_offset[task.expert] + task.first_row;
+    with_tile_tokens(task.tile_tokens, [&](auto tile) {
+      constexpr int N = decltype(tile)::value;
+      const bf16* rows[N / 16];
+#pragma unroll
+      for (int i = 0; i < N / 16; ++i) {
+        const int r = (threadIdx.x >> 3) + 16 * i;
+        rows[i] = r < task.rows ? act + (first + r) * p.inter : nullptr;
+      }
+      // w2 viewed as [E_l H][I]: one box = the tile's 128 output-feature rows.
+      produce_tile<N>(p, g, st, rows, p.inter / kTileK, [&](char* stage, uint64_t* full, int k0) {
+        tma_load_2d(stage, &p.tmap_w2, full, k0, task.expert * p.hidden + task.feature_tile * kGemm1TileFeatures);
+      });
+    });
+  }
+}
+
+// Returns the bytes this thread's tiles sent to other ranks (metrics).
+__device__ int64_t consume_gemm1(const Params& p, const PeerTable& peers, bool any_proxied, const GemmSmem& g,
+                                 const ExpertTable& table, PipeState& st) {
+  const int consumer = threadIdx.x / 128 - 1, tid = threadIdx.x & 127;
+  const int feature_tiles = p.hidden / kGemm1TileFeatures;
+  const int total = total_tasks(table, p.num_local, feature_tiles);
+  const int k = p.top_k, H = p.hidden;
   const int* meta = sym_ptr<int>(p, p.sym_off.recv_meta);
-  const bf16* act = ws_ptr<bf16>(p, p.ws_off.act) +
-                    static_cast<int64_t>(table.row_offset[task.expert] + task.m_tile * kBlockM) * I;
-  const int n0 = task.n_tile * kBlockN;
-  if (threadIdx.x < kBlockM) {
-    const int r = threadIdx.x;
-    rows.a[r] = r < task.rows ? act + static_cast<int64_t>(r) * I : nullptr;
-    if (r < task.rows) {
-      const int entry = ldcg(list + task.m_tile * kBlockM + r);
+  bf16* staging = g.staging(consumer);
+  int64_t* row_dst = g.row_dst(consumer);
+  int* row_rank = g.row_rank(consumer);
+  // Put path: this consumer's slot of the block's registered staging tile.
+  bf16* put_stage = sym_ptr<bf16>(p, p.sym_off.combine_stage) +
+                    (static_cast<int64_t>(blockIdx.x) * kConsumers + consumer) * kMaxTileTokens * kConsumerRows;
+  int64_t remote_bytes = 0;
+  for (int index = blockIdx.x; index < total; index += gridDim.x) {
+    const Task task = decode_task(table, p.num_local, feature_tiles, index);
+    st = mma_tile_to_staging<false>(p, g, st, task.tile_tokens, p.inter / kTileK, staging);
+    if (tid < task.rows) {  // where each row goes: (source rank, element offset in its combine buffer)
+      const int entry = ldcg(expert_list(p, task.expert) + task.first_row + tid);
       const int64_t row = entry >> 4;  // source * max_tokens + slot
       const int j = entry & 15;
-      const int src = static_cast<int>(row / p.max_tokens);
       const int token = ldcg(meta + row * meta_stride(k));
-      rows.dst_rank[r] = src;
-      rows.dst_offset[r] = (static_cast<int64_t>(token) * k + j) * H + n0;
+      row_rank[tid] = static_cast<int>(row / p.max_tokens);
+      row_dst[tid] = (static_cast<int64_t>(token) * k + j) * H + task.feature_tile * kGemm1TileFeatures +
+                     consumer * kConsumerRows;
     }
-  }
-  __syncthreads();
-  const bf16* w = p.w2 + static_cast<int64_t>(task.expert) * H * I;
-  auto b_row = [=](int i) -> int64_t { return static_cast<int64_t>(n0 + i) * I; };
-  Accum acc;
-  gemm_tile<false>(rows.a, w, b_row, I, smem, acc);
-
-  // Stage the bf16 tile in shared memory, then move whole 256-byte row segments.
-  constexpr int kOutStride = kBlockN + 8;
-  bf16* tile = smem;
-#pragma unroll
-  for (int mf = 0; mf < 2; ++mf)
-#pragma unroll
-    for (int nf = 0; nf < 4; ++nf)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        int row, col;
-        acc_coord<false>(mf, nf, h * 2, row, col);
-        *reinterpret_cast<__nv_bfloat162*>(tile + row * kOutStride + col) =
-            __floats2bfloat162_rn(acc.c[mf][nf][h * 2], acc.c[mf][nf][h * 2 + 1]);
+    consumer_sync(consumer);
+    constexpr int kChunks = kConsumerRows / 8;  // 16-byte chunks per 128-byte row
+    for (int c = tid; c < task.rows * kChunks; c += 128) {
+      const int r = c / kChunks, q = c % kChunks;
+      const int dst = row_rank[r];
+      const uint4 value = *reinterpret_cast<const uint4*>(staging + r * kStagingStride + q * 8);
+      if (use_p2p(peers, dst)) {
+        bf16* base = reinterpret_cast<bf16*>(peers.base[dst] + p.sym_off.combine_rows);
+        *reinterpret_cast<uint4*>(base + row_dst[r] + q * 8) = value;
+      } else {
+        *reinterpret_cast<uint4*>(put_stage + r * kConsumerRows + q * 8) = value;
       }
-  __syncthreads();
-
-  constexpr int kVecPerRow = kBlockN / 8;
-  int64_t remote_bytes = 0;
-  bool any_put = false;
-  for (int c = threadIdx.x; c < task.rows * kVecPerRow; c += blockDim.x) {
-    const int r = c / kVecPerRow, v = c % kVecPerRow;
-    const int dst = rows.dst_rank[r];
-    const uint4 value = *reinterpret_cast<const uint4*>(tile + r * kOutStride + v * 8);
-    if (use_p2p(peers, dst)) {
-      bf16* base = reinterpret_cast<bf16*>(peers.base[dst] + p.sym_off.combine_rows);
-      *reinterpret_cast<uint4*>(base + rows.dst_offset[r] + v * 8) = value;
-    } else {
-      bf16* stage = sym_ptr<bf16>(p, p.sym_off.combine_stage) + static_cast<int64_t>(blockIdx.x) * kBlockM * kBlockN;
-      *reinterpret_cast<uint4*>(stage + r * kBlockN + v * 8) = value;
-      any_put = true;
+      if (q == 0 && dst != p.rank) remote_bytes += kConsumerRows * 2;
     }
-    if (v == 0 && dst != p.rank) remote_bytes += kBlockN * 2;
-  }
-  if (__syncthreads_or(any_put)) {
-    // Proxied rows: one put per row segment from the registered staging tile.
-    bf16* stage = sym_ptr<bf16>(p, p.sym_off.combine_stage) + static_cast<int64_t>(blockIdx.x) * kBlockM * kBlockN;
-    if (threadIdx.x < task.rows && !use_p2p(peers, rows.dst_rank[threadIdx.x])) {
-      const int r = threadIdx.x;
-      nvshmem_putmem_nbi(sym_ptr<bf16>(p, p.sym_off.combine_rows) + rows.dst_offset[r], stage + r * kBlockN,
-                         kBlockN * 2, rows.dst_rank[r]);
+    if (any_proxied) {
+      // Proxied rows: one put per row segment from the registered staging tile, complete before reuse.
+      consumer_sync(consumer);
+      if (tid < task.rows && !use_p2p(peers, row_rank[tid]))
+        nvshmem_putmem_nbi(sym_ptr<bf16>(p, p.sym_off.combine_rows) + row_dst[tid], put_stage + tid * kConsumerRows,
+                           kConsumerRows * 2, row_rank[tid]);
+      consumer_sync(consumer);
+      if (tid == 0) nvshmem_quiet();
     }
-    __syncthreads();
-    if (threadIdx.x == 0) nvshmem_quiet();  // the staging tile is reused by the next task
+    consumer_sync(consumer);  // staging and the row table are rewritten by the next tile
   }
-  __syncthreads();
   return remote_bytes;
 }
 

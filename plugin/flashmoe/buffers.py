@@ -14,40 +14,14 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
 
 import torch
 
 from .config import env_flag, env_int
+from .contract import MAX_LAYERS, RING_FIELDS, RING_SLOTS, STATUS_WORDS, TOTALS_FIELDS, Capacity
 from .errors import FlashMoEError
-from .metrics_ring import MAX_LAYERS, RING_FIELDS, RING_SLOTS, TOTALS_FIELDS  # the layout the kernel writes
 
 logger = logging.getLogger("flashmoe")
-
-STATUS_WORDS = 8
-
-
-@dataclass(frozen=True)
-class Capacity:
-    max_tokens: int
-    hidden: int
-    inter: int
-    top_k: int
-    world: int
-    max_local: int
-    num_blocks: int
-
-    def as_list(self) -> list[int]:
-        return [self.max_tokens, self.hidden, self.inter, self.top_k, self.world, self.max_local, self.num_blocks]
-
-    def covers(self, other: Capacity) -> bool:
-        return self.world == other.world and all(a >= b for a, b in zip(self.as_list(), other.as_list(), strict=True))
-
-    def union(self, other: Capacity) -> Capacity:
-        if self.world != other.world:
-            raise FlashMoEError(f"one process serves one EP group: world {self.world} vs {other.world}")
-        return Capacity(*(max(a, b) for a, b in zip(self.as_list(), other.as_list(), strict=True)))
-
 
 class SymmetricBuffers:
     def __init__(self, ops, capacity: Capacity, rank: int, device: torch.device):

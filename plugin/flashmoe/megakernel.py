@@ -14,17 +14,13 @@ import torch
 
 from . import buffers as _buffers
 from . import jit
-from .buffers import Capacity
 from .config import env_flag, env_int
+from .contract import MAX_LAYERS, PHASES, STATUS_FIELDS, STATUS_OK, Capacity, RuntimeArgs
 from .errors import FlashMoEError, FlashMoETimeoutError
 from .placement import ExpertPlacement
 from .spec import MoELayerSpec
 
 logger = logging.getLogger("flashmoe")
-
-# Keep in sync with csrc/flashmoe/common.cuh (Phase).
-PHASES = {1: "dispatch signal", 2: "combine signal", 3: "grid barrier (blocks of this kernel)"}
-
 
 def _capacity(spec: MoELayerSpec, world: int, max_local: int, num_blocks: int) -> Capacity:
     max_tokens = env_int("FLASHMOE_MAX_TOKENS") or spec.max_tokens_per_rank
@@ -62,8 +58,11 @@ class MegaKernelLayer:
         self.force_put = env_flag("FLASHMOE_FORCE_PUT")
         self.timeout_ns = env_int("FLASHMOE_TIMEOUT_MS") * 1_000_000
         self.metrics = env_flag("FLASHMOE_METRICS")
-        if layer_id >= _buffers.MAX_LAYERS:
-            raise FlashMoEError(f"at most {_buffers.MAX_LAYERS} flashmoe layers per process")
+        self.runtime = RuntimeArgs(rank=rank, world=world, num_experts=spec.num_experts, force_put=int(self.force_put),
+                                   layer_id=layer_id, metrics=int(self.metrics), num_blocks=self.num_blocks,
+                                   timeout_ns=self.timeout_ns)
+        if layer_id >= MAX_LAYERS:
+            raise FlashMoEError(f"at most {MAX_LAYERS} flashmoe layers per process")
 
     @property
     def buffers(self) -> _buffers.SymmetricBuffers:
@@ -84,19 +83,18 @@ class MegaKernelLayer:
         if out is None:
             out = torch.empty_like(x)
         b = self.buffers
-        runtime = [self.rank, self.world, self.spec.num_experts, int(self.force_put), self.layer_id, int(self.metrics),
-                   self.num_blocks, self.timeout_ns]
         self.ops.moe_forward(
             x, topk_ids, topk_weights, w13, w2, self.expert_rank, self.expert_local, out, b.workspace, b.status,
-            b.metrics_ring, b.metrics_totals, b.sym_ptr, b.capacity.as_list(), runtime,
+            b.metrics_ring, b.metrics_totals, b.sym_ptr, b.capacity.as_list(), self.runtime.as_list(),
             torch.cuda.current_stream(self.device).cuda_stream,
         )
         return out
 
 
 def describe_status(status: torch.Tensor) -> str | None:
-    code, rank, peer, phase, detail, epoch, observed, block = (int(v) for v in status.tolist()[:8])
-    if code == 0:
+    s = dict(zip(STATUS_FIELDS, (int(v) for v in status.tolist()), strict=False))
+    code, rank, peer, phase, detail, epoch, observed, block = (s[f] for f in STATUS_FIELDS)
+    if code == STATUS_OK:
         return None
     what = PHASES.get(phase, f"phase {phase}")
     who = f"peer rank {peer}" if peer >= 0 else f"barrier {detail}"

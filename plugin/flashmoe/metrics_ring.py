@@ -27,32 +27,38 @@ from dataclasses import dataclass
 
 import torch
 
+# The layout the kernel writes is defined in csrc/flashmoe/contract.h (mirrored by flashmoe.contract); the short
+# names are this module's spelling of the same fields.
+from .contract import (
+    MAX_LAYERS,
+    RING_FIELDS,
+    RING_SLOTS,
+    TOTAL_CALLS,
+    TOTAL_REMOTE_BYTES,
+    TOTAL_ROWS_DISPATCHED,
+    TOTAL_TOKENS_IN,
+    TOTALS_FIELDS,
+)
+from .contract import RING_BLOCKS_DONE as BLOCKS_DONE
+from .contract import RING_BUSY_NS as BUSY_NS
+from .contract import RING_END_NS as END_NS
+from .contract import RING_LAYER_ID as LAYER_ID
+from .contract import RING_NUM_BLOCKS as NUM_BLOCKS
+from .contract import RING_REMOTE_BYTES as REMOTE_BYTES
+from .contract import RING_ROWS_DISPATCHED as ROWS_DISPATCHED
+from .contract import RING_ROWS_RECEIVED as ROWS_RECEIVED
+from .contract import RING_SEQ as SEQ
+from .contract import RING_START_NS as START_NS
+from .contract import RING_TOKENS_IN as TOKENS_IN
+from .contract import RING_WORLD_SIZE as WORLD_SIZE
+
+__all__ = [
+    "BLOCKS_DONE", "BUSY_NS", "END_NS", "LAYER_ID", "MAX_LAYERS", "NUM_BLOCKS", "REMOTE_BYTES", "RING_FIELDS",
+    "RING_SLOTS", "ROWS_DISPATCHED", "ROWS_RECEIVED", "SEQ", "START_NS", "TOKENS_IN", "TOTALS_FIELDS", "TOTAL_CALLS",
+    "TOTAL_REMOTE_BYTES", "TOTAL_ROWS_DISPATCHED", "TOTAL_TOKENS_IN", "WORLD_SIZE",
+]
+
 logger = logging.getLogger("flashmoe")
-
-RING_SLOTS = 4096
-RING_FIELDS = 16
-MAX_LAYERS = 1024
-TOTALS_FIELDS = 4
-
-# Ring record fields (int64 each).
-SEQ = 0  # the call's epoch (> 0); 0 = slot never written
-LAYER_ID = 1
-START_NS = 2  # %globaltimer at kernel start
-END_NS = 3  # %globaltimer when the last block finished
-BUSY_NS = 4  # sum over blocks of the time each block did work
-BLOCKS_DONE = 5  # incremented by each block as it finishes; complete when == NUM_BLOCKS
-NUM_BLOCKS = 6
-TOKENS_IN = 7  # this rank's T
-ROWS_DISPATCHED = 8  # token rows sent to ranks, this one included
-ROWS_RECEIVED = 9
-REMOTE_BYTES = 10  # bytes sent to other ranks, dispatch + combine
-WORLD_SIZE = 11
-
-# Totals columns (exact cumulative counters per layer id).
-TOTAL_CALLS = 0
-TOTAL_TOKENS_IN = 1
-TOTAL_ROWS_DISPATCHED = 2
-TOTAL_REMOTE_BYTES = 3
 
 # cudaStreamCaptureModeThreadLocal (driver_types.h).
 _CAPTURE_MODE_THREAD_LOCAL = 1

@@ -1,13 +1,14 @@
-// The persistent kernel: every block runs every phase; phases are separated by grid barriers (all blocks are
-// co-resident: cooperative launch), and ranks meet only through epoch-tagged signals.
+// The whole MoE layer in one persistent kernel: every block runs every phase; phases are separated by grid
+// barriers (all blocks are co-resident: cooperative launch), and ranks meet only through epoch-tagged signals.
 //
 //   1 dispatch     send each token once per destination rank          (source side)
 //   2 receive      wait for all sources, build per-expert row lists   (destination side)
-//   3 GEMM0        SwiGLU(x W13^T) per (expert, m-tile, n-tile)
+//   3 GEMM0        SwiGLU(x W13^T) per (expert, feature tile, token tile)
 //   4 GEMM1        act W2^T, rows written into the owners' combine buffers; then signal every source
 //   5 combine      wait for every owner, reduce over top-k slots      (source side)
 //
-// Busy time (work, not waiting) and traffic are accumulated per block and published in the metrics ring.
+// In the GEMM phases warpgroup 0 produces (TMA, cp.async) and warpgroups 1-2 consume (wgmma); their pipeline
+// state carries over from GEMM0 to GEMM1, so the ring of stages is set up once per launch.
 #pragma once
 
 #include "combine.cuh"
@@ -15,6 +16,7 @@
 #include "common.cuh"
 #include "dispatch.cuh"
 #include "gemm.cuh"
+#include "metrics.cuh"
 #include "params.cuh"
 #include "scheduler.cuh"
 #include "subscriber.cuh"
@@ -22,74 +24,44 @@
 
 namespace flashmoe {
 
+static_assert(kCombineStageBytesPerBlock == kConsumers * kMaxTileTokens * kConsumerRows * 2,
+              "layout.cuh sizes the put-path staging for one GEMM1 tile per block");
+
 struct BlockShared {
   PeerTable peers;
   Received recv;
   ExpertTable table;
-  TileRows rows;
   uint32_t epoch;
+  bool any_proxied;  // some peer is reached through NVSHMEM puts
 };
-
-struct BusyClock {
-  uint64_t busy = 0, since = 0;
-  __device__ void start() { since = globaltimer_ns(); }
-  __device__ void stop() { busy += globaltimer_ns() - since; }
-};
-
-__device__ void publish_metrics(const Params& p, uint32_t epoch, uint64_t busy_ns, uint64_t end_ns, int64_t rows_sent,
-                                int64_t remote_bytes, int rows_received) {
-  int64_t* rec = p.metrics_ring + static_cast<int64_t>(epoch % kRingSlots) * kRingFields;
-  unsigned long long* u = reinterpret_cast<unsigned long long*>(rec);
-  atomicAdd(u + 4, static_cast<unsigned long long>(busy_ns));
-  atomicMax(u + 3, static_cast<unsigned long long>(end_ns));
-  atomicAdd(u + 8, static_cast<unsigned long long>(rows_sent));
-  atomicAdd(u + 10, static_cast<unsigned long long>(remote_bytes));
-  if (blockIdx.x == 0) rec[9] = rows_received;
-  __threadfence();
-  const unsigned long long done = atomicAdd(u + 5, 1ull) + 1;
-  if (done == gridDim.x) {  // last block: the record is complete
-    __threadfence();
-    unsigned long long* totals = reinterpret_cast<unsigned long long*>(p.metrics_totals) + p.layer_id * 4;
-    atomicAdd(totals + 0, 1ull);
-    atomicAdd(totals + 1, static_cast<unsigned long long>(p.num_tokens));
-    atomicAdd(totals + 2, static_cast<unsigned long long>(atomicAdd(u + 8, 0ull)));
-    atomicAdd(totals + 3, static_cast<unsigned long long>(atomicAdd(u + 10, 0ull)));
-    atomicExch(u + 0, static_cast<unsigned long long>(epoch));
-  }
-}
 
 __device__ void moe_layer(const Params& p) {
-  extern __shared__ __align__(128) unsigned char dynamic_smem[];
-  bf16* gemm_smem = reinterpret_cast<bf16*>(dynamic_smem);
+  extern __shared__ unsigned char dynamic_smem[];
   __shared__ BlockShared sh;
-  BusyClock clock;
-  const uint64_t t_start = globaltimer_ns();
+  BusyClock clock(p.metrics);
+  const bool producer = threadIdx.x < kProducerThreads;
 
   if (threadIdx.x == 0) {
     uint32_t e = *ws_ptr<volatile uint32_t>(p, p.ws_off.epoch) + 1;
     sh.epoch = e == 0 ? 1 : e;  // 0 is the never-signalled value
+    GemmSmem::carve(reinterpret_cast<char*>(dynamic_smem), 0).init_barriers();
   }
   load_peer_table(p, sh.peers);  // includes __syncthreads
   const uint32_t epoch = sh.epoch;
-
-  if (p.metrics && blockIdx.x == 0 && threadIdx.x == 0) {
-    int64_t* rec = p.metrics_ring + static_cast<int64_t>(epoch % kRingSlots) * kRingFields;
-    rec[0] = 0;  // incomplete until the last block publishes
-    for (int f = 1; f < kRingFields; ++f) rec[f] = 0;
-    rec[1] = p.layer_id;
-    rec[2] = static_cast<int64_t>(t_start);
-    rec[6] = gridDim.x;
-    rec[7] = p.num_tokens;
-    rec[11] = p.world;
-    __threadfence();
+  const GemmSmem gemm = GemmSmem::carve(reinterpret_cast<char*>(dynamic_smem), epoch);
+  if (threadIdx.x == 0) {
+    bool any = false;
+    for (int r = 0; r < p.world; ++r) any = any || !use_p2p(sh.peers, r);
+    sh.any_proxied = any;
+    if (p.metrics && blockIdx.x == 0) open_record(p, epoch, globaltimer_ns());
   }
 
   // 1. Dispatch.
   clock.start();
-  const DispatchCounts sent = dispatch_tokens(p, sh.peers);
+  const int warp_rows_sent = dispatch_tokens(p, sh.peers);
+  const int rows_sent = (threadIdx.x & 31) == 0 ? warp_rows_sent : 0;  // every lane counted the warp's rows
   __threadfence_system();  // our NVLink stores are visible before any signal that follows the barrier
   clock.stop();
-  int64_t rows_sent = (threadIdx.x & 31) == 0 ? sent.rows_sent : 0;
   grid_barrier(p, 1, epoch);
   int64_t remote_bytes = 0;
   if (blockIdx.x == 0 && threadIdx.x == 0) {
@@ -112,24 +84,17 @@ __device__ void moe_layer(const Params& p) {
 
   // 3. GEMM0 (+ SwiGLU).
   build_expert_table(p, sh.table);
-  const int m_tiles = total_m_tiles(sh.table, p.num_local);
+  PipeState pipe;
   clock.start();
-  {
-    const int n_tiles = p.inter / (kBlockN / 2);
-    for (int task = blockIdx.x; task < m_tiles * n_tiles; task += gridDim.x)
-      run_gemm0_task(p, sh.table, decode_task(sh.table, p.num_local, n_tiles, task), sh.rows, gemm_smem);
-  }
+  if (producer) produce_gemm0(p, gemm, sh.table, pipe);
+  else consume_gemm0(p, gemm, sh.table, pipe);
   clock.stop();
   grid_barrier(p, 3, epoch);
 
   // 4. GEMM1 into the owners' combine buffers.
   clock.start();
-  {
-    const int n_tiles = p.hidden / kBlockN;
-    for (int task = blockIdx.x; task < m_tiles * n_tiles; task += gridDim.x)
-      remote_bytes += run_gemm1_task(p, sh.peers, sh.table, decode_task(sh.table, p.num_local, n_tiles, task),
-                                     sh.rows, gemm_smem);
-  }
+  if (producer) produce_gemm1(p, gemm, sh.table, pipe);
+  else remote_bytes += consume_gemm1(p, sh.peers, sh.any_proxied, gemm, sh.table, pipe);
   __threadfence_system();
   clock.stop();
   grid_barrier(p, 4, epoch);
@@ -160,8 +125,8 @@ __device__ void moe_layer(const Params& p) {
     if (remote_bytes) atomicAdd(&block_bytes, static_cast<unsigned long long>(remote_bytes));
     __syncthreads();
     if (threadIdx.x == 0)
-      publish_metrics(p, epoch, clock.busy, globaltimer_ns(), static_cast<int64_t>(block_rows),
-                      static_cast<int64_t>(block_bytes), blockIdx.x == 0 ? sh.recv.total : 0);
+      publish_metrics(p, epoch, clock.busy, static_cast<int64_t>(block_rows), static_cast<int64_t>(block_bytes),
+                      blockIdx.x == 0 ? sh.recv.total : 0);
   }
 }
 

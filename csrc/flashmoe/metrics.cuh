@@ -1,0 +1,63 @@
+// In-kernel metrics: one record per call in the metrics ring (fields in contract.h) and exact per-layer totals.
+// Graph-safe: nothing waits for the host. With metrics off nothing here runs and no timer is read.
+#pragma once
+
+#include "common.cuh"
+#include "params.cuh"
+
+namespace flashmoe {
+
+// Busy time of a block (work, not waiting), read by thread 0 only.
+struct BusyClock {
+  bool on;
+  uint64_t busy = 0, since = 0;
+  __device__ explicit BusyClock(bool enabled) : on(enabled && threadIdx.x == 0) {}
+  __device__ void start() {
+    if (on) since = globaltimer_ns();
+  }
+  __device__ void stop() {
+    if (on) busy += globaltimer_ns() - since;
+  }
+};
+
+__device__ __forceinline__ int64_t* ring_record(const Params& p, uint32_t epoch) {
+  return p.metrics_ring + static_cast<int64_t>(epoch % kRingSlots) * kRingFields;
+}
+
+// Block 0, thread 0, at kernel start: the record is incomplete (seq 0) until the last block publishes it.
+__device__ void open_record(const Params& p, uint32_t epoch, uint64_t start_ns) {
+  int64_t* rec = ring_record(p, epoch);
+  for (int f = 0; f < kRingFields; ++f) rec[f] = 0;
+  rec[kRingLayerId] = p.layer_id;
+  rec[kRingStartNs] = static_cast<int64_t>(start_ns);
+  rec[kRingNumBlocks] = gridDim.x;
+  rec[kRingTokensIn] = p.num_tokens;
+  rec[kRingWorldSize] = p.world;
+  __threadfence();
+}
+
+// Thread 0 of every block, at its end. The last block to arrive completes the record and the totals.
+__device__ void publish_metrics(const Params& p, uint32_t epoch, uint64_t busy_ns, int64_t rows_sent,
+                                int64_t remote_bytes, int rows_received) {
+  int64_t* rec = ring_record(p, epoch);
+  unsigned long long* u = reinterpret_cast<unsigned long long*>(rec);
+  atomicAdd(u + kRingBusyNs, static_cast<unsigned long long>(busy_ns));
+  atomicMax(u + kRingEndNs, static_cast<unsigned long long>(globaltimer_ns()));
+  atomicAdd(u + kRingRowsDispatched, static_cast<unsigned long long>(rows_sent));
+  atomicAdd(u + kRingRemoteBytes, static_cast<unsigned long long>(remote_bytes));
+  if (blockIdx.x == 0) rec[kRingRowsReceived] = rows_received;
+  __threadfence();
+  const unsigned long long done = atomicAdd(u + kRingBlocksDone, 1ull) + 1;
+  if (done == gridDim.x) {
+    __threadfence();
+    unsigned long long* totals =
+        reinterpret_cast<unsigned long long*>(p.metrics_totals) + static_cast<int64_t>(p.layer_id) * kTotalsFields;
+    atomicAdd(totals + kTotalCalls, 1ull);
+    atomicAdd(totals + kTotalTokensIn, static_cast<unsigned long long>(p.num_tokens));
+    atomicAdd(totals + kTotalRowsDispatched, static_cast<unsigned long long>(atomicAdd(u + kRingRowsDispatched, 0ull)));
+    atomicAdd(totals + kTotalRemoteBytes, static_cast<unsigned long long>(atomicAdd(u + kRingRemoteBytes, 0ull)));
+    atomicExch(u + kRingSeq, static_cast<unsigned long long>(epoch));
+  }
+}
+
+}  // namespace flashmoe

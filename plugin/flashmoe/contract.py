@@ -1,0 +1,108 @@
+"""The Python side of ``csrc/flashmoe/contract.h``: what the package and the kernel library must agree on.
+
+The header is the definition; this module mirrors it, and ``tests/test_contract.py`` compiles the header on
+the host and fails if a name, an order or a value differs. Lists passed to ``torch.ops.flashmoe.moe_forward``
+(capacity, runtime arguments) are built from the dataclasses below, whose field order is the header's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import astuple, dataclass, fields
+
+from .errors import FlashMoEError
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """What the process-wide buffers are sized for: the largest layer announced so far."""
+
+    max_tokens: int  # tokens per rank per call
+    hidden: int  # largest H
+    inter: int  # largest I
+    top_k: int  # largest k
+    world: int  # EP size
+    max_local: int  # most experts on one rank
+    num_blocks: int  # persistent grid size
+
+    def as_list(self) -> list[int]:
+        return list(astuple(self))
+
+    def covers(self, other: Capacity) -> bool:
+        return self.world == other.world and all(
+            a >= b for a, b in zip(self.as_list(), other.as_list(), strict=True)
+        )
+
+    def union(self, other: Capacity) -> Capacity:
+        if self.world != other.world:
+            raise FlashMoEError(f"one process serves one EP group: world {self.world} vs {other.world}")
+        return Capacity(*(max(a, b) for a, b in zip(self.as_list(), other.as_list(), strict=True)))
+
+
+@dataclass(frozen=True)
+class RuntimeArgs:
+    """The arguments of one call beyond its tensors."""
+
+    rank: int
+    world: int
+    num_experts: int  # E, global
+    force_put: int  # 1: NVSHMEM puts even to NVLink peers
+    layer_id: int  # row of the metrics totals
+    metrics: int  # 1: timestamps and counters into the metrics ring
+    num_blocks: int  # persistent grid size of this call
+    timeout_ns: int  # bound on every spin-wait
+
+    def as_list(self) -> list[int]:
+        return [int(v) for v in astuple(self)]
+
+
+CAPACITY_FIELDS = tuple(f.name for f in fields(Capacity))
+RUNTIME_FIELDS = tuple(f.name for f in fields(RuntimeArgs))
+
+# Status record in host-mapped memory, int64 words in this order.
+STATUS_FIELDS = ("code", "rank", "peer", "phase", "detail", "epoch", "observed", "block")
+STATUS_WORDS = len(STATUS_FIELDS)
+STATUS_OK = 0
+STATUS_TIMEOUT = 1
+
+# Phases named in timeout reports (enum Phase).
+PHASE_DISPATCH_WAIT = 1
+PHASE_COMBINE_WAIT = 2
+PHASE_GRID_BARRIER = 3
+PHASE_GEMM_PIPELINE = 4
+PHASES = {
+    PHASE_DISPATCH_WAIT: "dispatch signal",
+    PHASE_COMBINE_WAIT: "combine signal",
+    PHASE_GRID_BARRIER: "grid barrier (blocks of this kernel)",
+    PHASE_GEMM_PIPELINE: "GEMM pipeline of one block (a kernel bug: please report it)",
+}
+
+# Metrics ring: one record of RING_FIELDS int64 per call, slot = epoch % RING_SLOTS (enum RingField).
+RING_SLOTS = 4096
+RING_FIELDS = 16
+RING_SEQ = 0  # the call's epoch (> 0); 0 = slot never written
+RING_LAYER_ID = 1
+RING_START_NS = 2  # %globaltimer at kernel start
+RING_END_NS = 3  # %globaltimer when the last block finished
+RING_BUSY_NS = 4  # sum over blocks of the time each block did work
+RING_BLOCKS_DONE = 5  # complete when == RING_NUM_BLOCKS
+RING_NUM_BLOCKS = 6
+RING_TOKENS_IN = 7  # this rank's T
+RING_ROWS_DISPATCHED = 8  # token rows sent to ranks, this one included
+RING_ROWS_RECEIVED = 9
+RING_REMOTE_BYTES = 10  # bytes sent to other ranks, dispatch + combine
+RING_WORLD_SIZE = 11
+
+# Exact per-layer counters: [MAX_LAYERS, TOTALS_FIELDS] int64 (enum TotalsField).
+TOTALS_FIELDS = 4
+MAX_LAYERS = 1024
+TOTAL_CALLS = 0
+TOTAL_TOKENS_IN = 1
+TOTAL_ROWS_DISPATCHED = 2
+TOTAL_REMOTE_BYTES = 3
+
+# Shape limits.
+HIDDEN_MULTIPLE = 128
+INTER_MULTIPLE = 64
+MAX_TOP_K = 16
+MAX_LOCAL_EXPERTS = 512
+MAX_WORLD = 64

@@ -1,0 +1,305 @@
+"""One GPU, world 1: check the megakernel against the references, then time it against torch._grouped_mm on
+the same rows. The first look after a kernel change (the multi-GPU suites are gpu_smoke.py and the matrix).
+
+    python scripts/kernel_check.py --out /tmp/kernel_check.json            # check + time
+    python scripts/kernel_check.py --check-only
+
+Correctness: fresh random inputs per case, output poisoned with NaN, compared with the fp64 oracle and the
+same-rounding fp32 reference under tests/tolerances.py's budgets. Timing is serving-like: a CUDA graph of L
+calls with distinct weights (L x weights > 4 x L2) and distinct routing, no L2 flush; per-layer time =
+replay / L, p10/p50/p90 over replays. The grouped_mm column runs GEMM0 -> SwiGLU -> GEMM1 on rows already
+grouped by expert (no gather, no combine) in the same kind of graph; TFLOP/s count 6 * rows * H * I.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(8 << 30))
+for k, v in {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}.items():
+    os.environ.setdefault(k, v)
+
+from flashmoe import ExpertPlacement, FlashMoE, MoELayerSpec  # noqa: E402
+from flashmoe.reference import moe_oracle_fp64, moe_reference  # noqa: E402
+from tolerances import (  # noqa: E402
+    ORACLE_REL_FRO,
+    ORACLE_ROW_REL,
+    SAME_ROUNDING_REL_FRO,
+    SAME_ROUNDING_ROW_REL,
+    error_stats,
+)
+
+MAX_TOKENS = 8192
+# (name, E, k, H, I): per-rank expert counts of EP4 for the three model shapes, and odd shapes.
+SHAPES = {
+    "qwen3-30b/ep4": (32, 8, 2048, 768),
+    "qwen3-235b/ep4": (32, 8, 4096, 1536),
+    "dsv3/ep4": (64, 8, 7168, 2048),
+    "small": (8, 2, 1024, 256),
+    "odd": (16, 4, 1152, 320),
+}
+CHECKS = [  # shape, tokens, routing
+    ("small", 7, "uniform"),
+    ("small", 0, "uniform"),
+    ("odd", 300, "one_expert"),
+    ("odd", 77, "zipf"),
+    ("qwen3-30b/ep4", 1, "uniform"),
+    ("qwen3-30b/ep4", 8, "uniform"),
+    ("qwen3-30b/ep4", 128, "zipf"),
+    ("qwen3-30b/ep4", 1000, "uniform"),
+    ("qwen3-235b/ep4", 64, "uniform"),
+    ("dsv3/ep4", 33, "uniform"),
+    ("small", 64, "duplicates"),
+    ("odd", MAX_TOKENS, "duplicates"),  # repeated ids at full capacity: each (row, expert) computed once
+]
+TIMINGS = (
+    [("qwen3-30b/ep4", t) for t in (1, 8, 32, 128, 512, 2048, 4096)]
+    + [("qwen3-235b/ep4", t) for t in (8, 128, 4096)]
+    + [("dsv3/ep4", t) for t in (8, 128, 1024)]
+)
+
+
+def routing(E, k, T, kind, gen, device):
+    if kind == "one_expert":
+        ids = torch.full((T, k), -1, dtype=torch.int32)
+        ids[:, 0] = 3
+    elif kind == "duplicates":  # every row names expert E-1 twice, the rest drawn with replacement
+        ids = torch.randint(0, E, (T, k), generator=gen, dtype=torch.int32)
+        ids[:, :2] = E - 1
+    else:
+        p = (
+            1.0 / torch.arange(1, E + 1, dtype=torch.float64) ** 1.2
+            if kind == "zipf"
+            else torch.ones(E, dtype=torch.float64)
+        )
+        ids = torch.multinomial(p.expand(max(T, 1), E), k, replacement=False, generator=gen)[:T].to(
+            torch.int32
+        )
+        if T:
+            ids[torch.rand(T, k, generator=gen) < 0.05] = -1
+    w = torch.rand(T, k, generator=gen)
+    return ids.to(device), w.to(device)
+
+
+def weights(E, H, I, gen, device):
+    w13 = (torch.randn(E, 2 * I, H, generator=gen) / H**0.5).to(torch.bfloat16)
+    w2 = (torch.randn(E, H, I, generator=gen) / I**0.5).to(torch.bfloat16)
+    return w13.to(device), w2.to(device)
+
+
+def layer(shape):
+    E, k, H, I = SHAPES[shape]
+    return FlashMoE(MoELayerSpec(E, k, H, I, MAX_TOKENS), ExpertPlacement.contiguous(E, 1), None)
+
+
+def wait_or_report(moe, seconds: float = float(os.environ.get("KERNEL_CHECK_HANG_S", "30"))) -> None:
+    """Wait for the device without blocking, so a kernel that never ends is reported with its status record."""
+    from flashmoe import buffers
+
+    done = torch.cuda.Event()
+    done.record()
+    start = time.time()
+    while not done.query():
+        if time.time() - start > seconds:
+            status = buffers.current().status.tolist()
+            print(f"HANG: kernel still running after {seconds} s; status record {status}", flush=True)
+            os._exit(3)
+        time.sleep(0.01)
+
+
+def check(gen, device, only: int | None = None) -> list[dict]:
+    rows = []
+    for i, (shape, T, kind) in enumerate(CHECKS):
+        if only is not None and i != only:
+            continue
+        E, k, H, I = SHAPES[shape]
+        moe = layer(shape)
+        w13, w2 = weights(E, H, I, gen, device)
+        x = torch.randn(T, H, generator=gen).to(torch.bfloat16).to(device)
+        ids, w = routing(E, k, T, kind, gen, device)
+        out = torch.full_like(x, float("nan"))
+        moe(x, ids, w, w13, w2, out=out)
+        wait_or_report(moe)
+        ref = moe_reference(x, ids, w, w13, w2)
+        oracle = moe_oracle_fp64(x, ids, w, w13, w2)
+        s_ref, s_orc = error_stats(out, ref), error_stats(out, oracle)
+        ok = (
+            s_ref.nonfinite == 0
+            and s_ref.nonzero_in_zero_rows == 0
+            and s_orc.rel_fro <= ORACLE_REL_FRO
+            and s_orc.max_row_rel <= ORACLE_ROW_REL
+            and s_ref.rel_fro <= max(SAME_ROUNDING_REL_FRO, SAME_ROUNDING_ROW_REL if s_ref.rows < 16 else 0)
+            and s_ref.max_row_rel <= SAME_ROUNDING_ROW_REL
+        )
+        # Determinism: the same inputs again give the same bits.
+        again = torch.full_like(x, float("nan"))
+        moe(x, ids, w, w13, w2, out=again)
+        torch.cuda.synchronize()
+        bitwise = bool(torch.equal(out.view(torch.int16), again.view(torch.int16)))
+        rows.append(
+            dict(
+                shape=shape,
+                tokens=T,
+                routing=kind,
+                ok=ok and bitwise,
+                bitwise=bitwise,
+                oracle_rel=s_orc.rel_fro,
+                oracle_row=s_orc.max_row_rel,
+                same_rounding_rel=s_ref.rel_fro,
+                same_rounding_row=s_ref.max_row_rel,
+                nonfinite=s_ref.nonfinite,
+            )
+        )
+        print(
+            f"check {shape:15s} T={T:5d} {kind:10s} oracle {s_orc.rel_fro:.2e} row {s_orc.max_row_rel:.2e} "
+            f"same-rounding {s_ref.rel_fro:.2e} row {s_ref.max_row_rel:.2e} bitwise={bitwise} "
+            f"{'ok' if rows[-1]['ok'] else 'FAIL'}",
+            flush=True,
+        )
+    return rows
+
+
+def graph_times(fn, replays: int) -> list[float]:
+    """Capture fn() once into a graph; per-replay times (s) from events."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()  # warm-up outside capture (JIT, buffers)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e-3)
+    return times
+
+
+def pct(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
+
+
+def time_case(shape, T, gen, device, l2_bytes, replays) -> dict:
+    E, k, H, I = SHAPES[shape]
+    weight_bytes = E * 3 * H * I * 2
+    L = max(4, -(-4 * l2_bytes // weight_bytes))
+    moe = layer(shape)
+    layers = []
+    for _ in range(L):
+        w13, w2 = weights(E, H, I, gen, device)
+        x = torch.randn(T, H, generator=gen).to(torch.bfloat16).to(device)
+        ids, w = routing(E, k, T, "uniform", gen, device)
+        # Rows grouped by expert for the grouped_mm baseline (the same token-expert pairs).
+        flat = ids.flatten().long()
+        valid = flat >= 0
+        order = torch.argsort(torch.where(valid, flat, E), stable=True)[: int(valid.sum())]
+        xs = x[order // k].contiguous()
+        counts = torch.bincount(flat[valid], minlength=E)
+        offs = torch.cumsum(counts, 0).to(torch.int32)
+        layers.append(dict(w13=w13, w2=w2, x=x, ids=ids, w=w, out=torch.empty_like(x), xs=xs, offs=offs))
+    pairs = int(sum(int(lay["offs"][-1]) for lay in layers)) / L
+
+    def run_flashmoe():
+        for lay in layers:
+            moe(lay["x"], lay["ids"], lay["w"], lay["w13"], lay["w2"], out=lay["out"])
+
+    def run_grouped():
+        for lay in layers:
+            h = torch._grouped_mm(lay["xs"], lay["w13"].transpose(1, 2), offs=lay["offs"])
+            a = F.silu(h[:, :I]) * h[:, I:]
+            torch._grouped_mm(a, lay["w2"].transpose(1, 2), offs=lay["offs"])
+
+    fm = [t / L for t in graph_times(run_flashmoe, replays)]
+    gm = [t / L for t in graph_times(run_grouped, replays)]
+    flops = 6 * pairs * H * I
+    touched = sum(int((lay["offs"].diff(prepend=lay["offs"].new_zeros(1)) > 0).sum()) for lay in layers) / L
+    floor_hbm = touched * 3 * H * I * 2 / 4.3e12
+    floor_mma = flops / 790e12
+    row = dict(
+        shape=shape,
+        tokens=T,
+        layers=L,
+        pairs=pairs,
+        experts_touched=touched,
+        flashmoe_us=[pct(fm, q) * 1e6 for q in (0.1, 0.5, 0.9)],
+        grouped_mm_us=[pct(gm, q) * 1e6 for q in (0.1, 0.5, 0.9)],
+        floor_us=max(floor_hbm, floor_mma) * 1e6,
+    )
+    row["flashmoe_tflops"] = flops / (row["flashmoe_us"][1] * 1e-6) / 1e12
+    row["grouped_mm_tflops"] = flops / (row["grouped_mm_us"][1] * 1e-6) / 1e12
+    print(
+        f"time  {shape:15s} T={T:5d} L={L} flashmoe p50 {row['flashmoe_us'][1]:8.1f} us "
+        f"(p90/p10 {row['flashmoe_us'][2] / row['flashmoe_us'][0]:.2f}) grouped_mm {row['grouped_mm_us'][1]:8.1f} us "
+        f"floor {row['floor_us']:7.1f} us",
+        flush=True,
+    )
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="kernel_check.json")
+    ap.add_argument("--check-only", action="store_true")
+    ap.add_argument("--case", type=int, default=None, help="run only this check case (index into CHECKS)")
+    ap.add_argument("--adhoc", default="", help="E,k,H,I,T,routing: check this one case only")
+    ap.add_argument("--replays", type=int, default=50)
+    ap.add_argument("--seed", type=int, default=int(time.time()))
+    args = ap.parse_args()
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    gen = torch.Generator().manual_seed(args.seed)
+    result = dict(seed=args.seed, device=torch.cuda.get_device_name(device), torch=torch.__version__)
+    t0 = time.time()
+    if args.adhoc:
+        E, k, H, I, T, kind = args.adhoc.split(",")
+        SHAPES["adhoc"] = (int(E), int(k), int(H), int(I))
+        CHECKS[:] = [("adhoc", int(T), kind)]
+    result["checks"] = check(gen, device, args.case)
+    result["check_seconds"] = time.time() - t0
+    if not args.check_only:
+        l2 = torch.cuda.get_device_properties(device).L2_cache_size
+        result["timings"] = [time_case(s, t, gen, device, l2, args.replays) for s, t in TIMINGS]
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    failed = [c for c in result["checks"] if not c["ok"]]
+    print(f"\n{len(result['checks']) - len(failed)}/{len(result['checks'])} checks ok")
+    if "timings" in result:
+        print(
+            f"{'shape':15s} {'T':>5s} {'flashmoe p50':>12s} {'p90/p10':>7s} {'grouped_mm':>10s} {'ratio':>6s} "
+            f"{'floor':>7s} {'x floor':>7s} {'TFLOP/s fm/gm':>14s}"
+        )
+        for r in result["timings"]:
+            fm, gm = r["flashmoe_us"], r["grouped_mm_us"]
+            print(
+                f"{r['shape']:15s} {r['tokens']:5d} {fm[1]:12.1f} {fm[2] / fm[0]:7.2f} {gm[1]:10.1f} "
+                f"{gm[1] / fm[1]:6.2f} {r['floor_us']:7.1f} {fm[1] / r['floor_us']:7.2f} "
+                f"{r['flashmoe_tflops']:6.0f}/{r['grouped_mm_tflops']:<6.0f}"
+            )
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
