@@ -65,7 +65,10 @@ __device__ void moe_layer(const Params& p) {
   grid_barrier(p, 1, epoch);
   int64_t remote_bytes = 0;
   if (blockIdx.x == 0 && threadIdx.x == 0) {
-    nvshmem_quiet();  // puts issued by any block of this PE are delivered (NVLink stores: fenced above)
+    // Puts issued by any block of this PE are delivered (NVLink stores were fenced above). Only with proxied
+    // peers: quiet goes through NVSHMEM's proxy channel, which costs tens of microseconds and varies with the
+    // host thread's scheduling.
+    if (sh.any_proxied) nvshmem_quiet();
     const uint32_t* send_count = ws_ptr<uint32_t>(p, p.ws_off.rank_send_count);
     for (int r = 0; r < p.world; ++r) {
       const uint32_t n = __ldcg(send_count + r);
@@ -99,7 +102,7 @@ __device__ void moe_layer(const Params& p) {
   clock.stop();
   grid_barrier(p, 4, epoch);
   if (blockIdx.x == 0 && threadIdx.x == 0) {
-    nvshmem_quiet();
+    if (sh.any_proxied) nvshmem_quiet();
     for (int r = 0; r < p.world; ++r)
       send_signal(p, sh.peers, sym_ptr<uint64_t>(p, p.sym_off.combine_signal) + p.rank, r,
                   static_cast<uint64_t>(epoch) << 32);
