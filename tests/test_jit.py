@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from flashmoe import jit
+from flashmoe import build as jit
 from flashmoe.errors import FlashMoEBuildError
 
 needs_nvcc = pytest.mark.skipif(jit.find_nvcc() is None, reason="nvcc not on this machine")
@@ -68,7 +68,7 @@ def test_driverless_full_build_is_the_library_the_runtime_finds(
     compiled_at = kernel_o.stat().st_mtime_ns
     no_gpu = {k: v for k, v in os.environ.items() if k != "FLASHMOE_ARCH"}
     no_gpu.update(CUDA_VISIBLE_DEVICES="", FLASHMOE_CACHE_DIR=str(fresh_cache))
-    cli = [sys.executable, "-m", "flashmoe.jit", "--arch", "sm_90a"]
+    cli = [sys.executable, "-m", "flashmoe.build", "--arch", "sm_90a"]
     out = subprocess.run(cli, env=no_gpu, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
     lib = Path(out.stdout.strip().rsplit("library: ", 1)[1])
@@ -131,7 +131,7 @@ def test_driverless_full_build_is_the_library_the_runtime_finds(
     # image's cache may be read-only to the pod's user).
     code = (
         "import filelock, torch\n"
-        "from flashmoe import jit\n"
+        "from flashmoe import build as jit\n"
         "filelock.FileLock = None\n"
         "torch.cuda.is_available = lambda: True\n"
         "torch.cuda.get_device_capability = lambda device=None: (9, 0)\n"
@@ -218,7 +218,7 @@ def test_missing_nvshmem_is_a_clear_error():
         "        if name == 'nvidia.nvshmem' or name.startswith('nvidia.nvshmem.'):\n"
         "            raise ImportError('hidden for the test')\n"
         "sys.meta_path.insert(0, Hide())\n"
-        "from flashmoe import jit\n"
+        "from flashmoe import build as jit\n"
         "from flashmoe.errors import FlashMoEBuildError\n"
         "try:\n"
         "    jit.nvshmem_dir()\n"
@@ -233,7 +233,7 @@ def test_missing_nvshmem_is_a_clear_error():
 def test_cli_compile_only_reports_failure_without_nvcc(tmp_path):
     env = dict(os.environ, FLASHMOE_NVCC=str(tmp_path / "missing"), FLASHMOE_CACHE_DIR=str(tmp_path))
     out = subprocess.run(
-        [sys.executable, "-m", "flashmoe.jit", "--arch", "sm_90a", "--compile-only"],
+        [sys.executable, "-m", "flashmoe.build", "--arch", "sm_90a", "--compile-only"],
         env=env,
         capture_output=True,
         text=True,

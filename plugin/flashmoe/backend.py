@@ -80,7 +80,7 @@ def megakernel_unsupported_reason(
         import nvidia.nvshmem  # noqa: F401
     except ImportError:
         return "NVSHMEM (pip package nvidia-nvshmem-cu13) is not installed"
-    from .jit import find_nvcc
+    from .build import find_nvcc
 
     if find_nvcc() is None:  # the JIT cache key holds the nvcc version: even a prebuilt kernel needs nvcc
         return "nvcc not found (set FLASHMOE_NVCC or CUDA_HOME)"

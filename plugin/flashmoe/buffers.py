@@ -20,7 +20,7 @@ import torch
 
 from .config import env_flag, env_int
 from .errors import FlashMoEError
-from .metrics_ring import MAX_LAYERS, RING_FIELDS, RING_SLOTS, TOTALS_FIELDS  # the layout the kernel writes
+from .metrics.ring import MAX_LAYERS, RING_FIELDS, RING_SLOTS, TOTALS_FIELDS  # the layout the kernel writes
 
 logger = logging.getLogger("flashmoe")
 

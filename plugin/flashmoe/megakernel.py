@@ -13,7 +13,7 @@ import logging
 import torch
 
 from . import buffers as _buffers
-from . import jit
+from . import build
 from .buffers import Capacity
 from .config import env_flag, env_int
 from .errors import FlashMoEError, FlashMoETimeoutError
@@ -32,7 +32,7 @@ def _capacity(spec: MoELayerSpec, world: int, max_local: int, num_blocks: int) -
 
 
 def _ops():
-    return jit.load()
+    return build.load()
 
 
 def reserve(max_tokens_per_rank: int, hidden: int, intermediate: int, top_k: int, num_experts: int, group=None,

@@ -1,9 +1,9 @@
 """Build the CUDA sources on first use, cached by a hash of everything that goes into the binary.
 
-    python -m flashmoe.jit --arch sm_90a                  # no GPU needed: the full build (compile, device-link, link)
-    python -m flashmoe.jit --arch sm_90a --compile-only   # no GPU needed: compile and device-link only (CI check)
-    python -m flashmoe.jit --arch sm_90a --print-key      # the key and library path, without building
-    python -m flashmoe.jit                                # build (if needed) for the running GPU
+    python -m flashmoe.build --arch sm_90a                  # no GPU needed: the full build (compile, device-link, link)
+    python -m flashmoe.build --arch sm_90a --compile-only   # no GPU needed: compile and device-link only (CI check)
+    python -m flashmoe.build --arch sm_90a --print-key      # the key and library path, without building
+    python -m flashmoe.build                                # build (if needed) for the running GPU
 
 The cache key covers every file under ``csrc/`` (contents), this file (the compile and link lines), the variant's
 defines, the target arch, the nvcc version, the torch version/ABI, the NVSHMEM version and the Python ABI; nothing
@@ -32,8 +32,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import cache_dir, env, env_flag, env_int
-from .errors import FlashMoEBuildError
+from ..config import cache_dir, env, env_flag, env_int
+from ..errors import FlashMoEBuildError
 
 _SOURCE_SUFFIXES = (".cu", ".cuh", ".h", ".cpp")
 
@@ -67,7 +67,7 @@ class BuildResult:
 
 def source_dir() -> Path:
     """csrc/ in a source checkout (editable install), else the copy shipped inside the wheel."""
-    pkg = Path(__file__).resolve().parent
+    pkg = Path(__file__).resolve().parent.parent
     for candidate in (pkg.parent.parent / "csrc", pkg / "_csrc"):
         if (candidate / "kernel.cu").is_file():
             return candidate
@@ -258,7 +258,7 @@ def find_library(arch: str, variant: Variant | None = None) -> Path | None:
 
 def _run(cmd: list[str], verbose: bool) -> subprocess.Popen:
     if verbose:
-        print("[flashmoe.jit]", " ".join(cmd), file=sys.stderr)
+        print("[flashmoe.build]", " ".join(cmd), file=sys.stderr)
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -485,7 +485,7 @@ def load(variant: Variant | None = None):
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m flashmoe.jit",
+        prog="python -m flashmoe.build",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -541,9 +541,6 @@ def main(argv: list[str] | None = None) -> int:
     what = "objects" if args.compile_only else "library"
     target = " ".join(map(str, res.objects)) if args.compile_only else res.library
     state = "cache hit" if res.cached else f"built in {res.seconds:.1f} s"
-    print(f"flashmoe.jit: {variant.name} {arch} {state} (key {res.key}); {what}: {target}")
+    print(f"flashmoe.build: {variant.name} {arch} {state} (key {res.key}); {what}: {target}")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -205,6 +205,3 @@ def main(argv: list[str] | None = None) -> int:
     print(f"prompt:     {prompt}\ncompletion: {choice['text']}")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

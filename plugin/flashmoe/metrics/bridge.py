@@ -27,7 +27,7 @@ import re
 import shutil
 import tempfile
 
-from .config import env, env_int
+from ..config import env, env_int
 
 logger = logging.getLogger("flashmoe")
 

@@ -1,7 +1,7 @@
 """Per-layer Prometheus metrics: latency, SM utilization, token and byte traffic, fallbacks.
 
 Sources:
-- megakernel layers: the kernel's device ring and totals (:mod:`flashmoe.metrics_ring`), attached
+- megakernel layers: the kernel's device ring and totals (:mod:`flashmoe.metrics.ring`), attached
   once with :func:`attach_device_source` and read by a background thread about once a second;
 - reference layers (the CPU backend): host-timed calls, :func:`record_host_call`.
 
@@ -19,7 +19,7 @@ Metrics (labels ``layer``, ``ep_rank``)::
 
 Where they show up: in prometheus_client's default registry (an in-process ``/metrics``, or the
 multiprocess directory when ``PROMETHEUS_MULTIPROC_DIR`` is set: SGLang ``--enable-metrics``, vLLM
-with several API servers), through :mod:`flashmoe.metrics_bridge` on vLLM's single API server, and
+with several API servers), through :mod:`flashmoe.metrics.bridge` on vLLM's single API server, and
 on a per-rank exporter when ``FLASHMOE_METRICS_PORT`` is set. ``FLASHMOE_METRICS=0`` turns all of it
 off (read once per process).
 
@@ -38,8 +38,9 @@ from dataclasses import dataclass
 
 import torch
 
-from . import metrics_bridge, metrics_ring
-from .config import env, env_flag, env_int
+from ..config import env, env_flag, env_int
+from . import bridge as metrics_bridge
+from . import ring as metrics_ring
 
 logger = logging.getLogger("flashmoe")
 
@@ -127,7 +128,7 @@ def record_fallback(reason: str) -> None:
 def attach_device_source(ring: torch.Tensor, totals: torch.Tensor, *, interval_s: float = POLL_INTERVAL_S):
     """Start exporting the kernel's records; called once when the device buffers are allocated.
 
-    ``ring``: int64 [slots, 16], ``totals``: int64 [layers, 4] (layout in :mod:`flashmoe.metrics_ring`),
+    ``ring``: int64 [slots, 16], ``totals``: int64 [layers, 4] (layout in :mod:`flashmoe.metrics.ring`),
     CUDA or CPU. Replaces an earlier source (its last records are read first). Returns None when
     metrics are off.
     """
@@ -156,7 +157,7 @@ def registry():
 
 def install_worker_bridge() -> str | None:
     """In the process that serves ``/metrics`` (the vLLM plugin's ``register()``), before workers
-    are spawned: see :mod:`flashmoe.metrics_bridge`. Returns the bridge directory or None if unneeded."""
+    are spawned: see :mod:`flashmoe.metrics.bridge`. Returns the bridge directory or None if unneeded."""
     if not enabled():
         return None
     return metrics_bridge.install_consumer()
@@ -267,7 +268,7 @@ def _get_families() -> _Families:
 
 
 def _create_children(fam: _Families, s: _LayerSeries) -> None:
-    from . import __version__
+    from .. import __version__
 
     labels = (s.name, str(s.ep_rank))
     s.latency = fam.latency.labels(*labels)
