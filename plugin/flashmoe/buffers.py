@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import env_flag, env_int
+from . import config
 from .errors import FlashMoEError
 from .metrics.ring import MAX_LAYERS, RING_FIELDS, RING_SLOTS, TOTALS_FIELDS  # the layout the kernel writes
 
@@ -122,7 +122,6 @@ def ensure(ops, capacity: Capacity, rank: int, world: int, group, device: torch.
     buffers = SymmetricBuffers(ops, capacity, rank, device)
     _state["buffers"] = buffers
     logger.info("%s", buffers.describe())
-    _attach_metrics(buffers)
     return buffers
 
 
@@ -132,17 +131,9 @@ def current() -> SymmetricBuffers | None:
 
 def default_num_blocks(ops, device: torch.device) -> int:
     resident = ops.max_resident_blocks(device.index)
-    budget = env_int("FLASHMOE_NUM_BLOCKS")
+    budget = config.num_blocks()
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     blocks = min(budget if budget > 0 else sms, resident)
     if blocks < 1:
         raise FlashMoEError("the megakernel cannot be resident on this GPU (occupancy query returned 0 blocks)")
     return blocks
-
-
-def _attach_metrics(buffers: SymmetricBuffers) -> None:
-    if not env_flag("FLASHMOE_METRICS"):
-        return
-    from . import metrics
-
-    metrics.attach_device_source(buffers.metrics_ring, buffers.metrics_totals)

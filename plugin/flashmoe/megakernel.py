@@ -13,10 +13,9 @@ import logging
 import torch
 
 from . import buffers as _buffers
-from . import build
+from . import build, config
 from .buffers import Capacity
-from .config import env_flag, env_int
-from .errors import FlashMoEError, FlashMoETimeoutError
+from .errors import FlashMoETimeoutError
 from .placement import ExpertPlacement
 from .spec import MoELayerSpec
 
@@ -27,8 +26,7 @@ PHASES = {1: "dispatch signal", 2: "combine signal", 3: "grid barrier (blocks of
 
 
 def _capacity(spec: MoELayerSpec, world: int, max_local: int, num_blocks: int) -> Capacity:
-    max_tokens = env_int("FLASHMOE_MAX_TOKENS") or spec.max_tokens_per_rank
-    return Capacity(max_tokens, spec.hidden_size, spec.intermediate_size, spec.top_k, world, max_local, num_blocks)
+    return Capacity(spec.max_tokens_per_rank, spec.hidden_size, spec.intermediate_size, spec.top_k, world, max_local, num_blocks)
 
 
 def _ops():
@@ -44,7 +42,7 @@ def reserve(max_tokens_per_rank: int, hidden: int, intermediate: int, top_k: int
     rank = dist.get_rank(group) if dist.is_initialized() else 0
     device = device or torch.device("cuda", torch.cuda.current_device())
     ops = _ops()
-    spec = MoELayerSpec(num_experts, top_k, hidden, intermediate, max_tokens_per_rank)
+    spec = MoELayerSpec(num_experts, top_k, hidden, intermediate, config.max_tokens_per_rank(max_tokens_per_rank))
     max_local = -(-num_experts // world)
     return _buffers.ensure(ops, _capacity(spec, world, max_local, _buffers.default_num_blocks(ops, device)), rank, world, group, device)
 
@@ -59,11 +57,9 @@ class MegaKernelLayer:
         _buffers.ensure(self.ops, cap, rank, world, cpu_group if cpu_group is not None else group, device)
         self.expert_rank = placement.expert_rank.to(device)
         self.expert_local = placement.expert_local.to(device)
-        self.force_put = env_flag("FLASHMOE_FORCE_PUT")
-        self.timeout_ns = env_int("FLASHMOE_TIMEOUT_MS") * 1_000_000
-        self.metrics = env_flag("FLASHMOE_METRICS")
-        if layer_id >= _buffers.MAX_LAYERS:
-            raise FlashMoEError(f"at most {_buffers.MAX_LAYERS} flashmoe layers per process")
+        self.force_put = config.force_put()
+        self.timeout_ns = config.timeout_ms() * 1_000_000
+        self.metrics = config.metrics_enabled()
 
     @property
     def buffers(self) -> _buffers.SymmetricBuffers:
@@ -103,7 +99,7 @@ def describe_status(status: torch.Tensor) -> str | None:
     return (
         f"flashmoe: rank {rank} timed out waiting for the {what} from {who} "
         f"(call #{epoch}, last value {observed & 0xFFFFFFFFFFFFFFFF:#x}, block {block}, "
-        f"FLASHMOE_TIMEOUT_MS={env_int('FLASHMOE_TIMEOUT_MS')}); a rank of the EP group did not launch the layer or "
+        f"FLASHMOE_TIMEOUT_MS={config.timeout_ms()}); a rank of the EP group did not launch the layer or "
         f"died. This process's flashmoe state is no longer usable."
     )
 
