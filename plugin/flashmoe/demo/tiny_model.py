@@ -251,7 +251,7 @@ def greedy_reference(path: str | Path, prompts: list[str], max_tokens: int, dtyp
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m flashmoe.demo.tiny_model", description=__doc__.splitlines()[0])
     ap.add_argument("path", help="output directory")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
