@@ -184,10 +184,10 @@ def prepare_layer(layer) -> FlashMoE:
     from sglang.srt.runtime_context import get_parallel
 
     parallel = get_parallel()
-    ep_size = layer.moe_ep_size
-    if layer.num_local_experts * ep_size != layer.num_experts:
+    world_size = layer.moe_ep_size
+    if layer.num_local_experts * world_size != layer.num_experts:
         raise ValueError(
-            f"flashmoe: layer {layer.layer_name}: {layer.num_experts} experts over {ep_size} ranks "
+            f"flashmoe: layer {layer.layer_name}: {layer.num_experts} experts over {world_size} ranks "
             f"but {layer.num_local_experts} local"
         )
     spec = MoELayerSpec(
@@ -202,9 +202,9 @@ def prepare_layer(layer) -> FlashMoE:
     op = FlashMoE(
         spec,
         # SGLang places experts contiguously: rank r owns [r * E_local, (r + 1) * E_local).
-        ExpertPlacement.contiguous(layer.num_experts, ep_size),
-        group.device_group if ep_size > 1 else None,
-        cpu_group=group.cpu_group if ep_size > 1 else None,
+        ExpertPlacement.contiguous(layer.num_experts, world_size),
+        group.device_group if world_size > 1 else None,
+        cpu_group=group.cpu_group if world_size > 1 else None,
         layer_name=layer.layer_name or f"layer{layer.layer_id}",
         device=layer.w13_weight.device,
     )

@@ -20,7 +20,9 @@ def main(argv: list[str] | None = None) -> int:
         description=package.__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    ap.add_argument("--arch", default=None, help="sm_90a, the only one (default: FLASHMOE_ARCH or the running GPU)")
+    ap.add_argument(
+        "--arch", default=None, help="sm_90a, the only one (default: FLASHMOE_ARCH or the running GPU)"
+    )
     ap.add_argument(
         "--compile-only",
         action="store_true",

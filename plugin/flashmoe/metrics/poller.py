@@ -61,7 +61,9 @@ class DeviceSource:
 class PollerThread(threading.Thread):
     """Calls ``poll`` every ``interval_s`` seconds; :meth:`stop` (registered at exit) polls once more."""
 
-    def __init__(self, poll: Callable[[], None], on_stop: Callable[[], None], interval_s: float = POLL_INTERVAL_S):
+    def __init__(
+        self, poll: Callable[[], None], on_stop: Callable[[], None], interval_s: float = POLL_INTERVAL_S
+    ):
         super().__init__(name="flashmoe-metrics", daemon=True)
         self.interval_s = interval_s
         self._poll = poll
