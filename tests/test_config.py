@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 from flashmoe import config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,3 +44,16 @@ def test_max_tokens_override(monkeypatch):
     assert config.max_tokens_per_rank(256) == 256
     monkeypatch.setenv("FLASHMOE_MAX_TOKENS", "64")
     assert config.max_tokens_per_rank(256) == 64
+
+
+def test_the_op_applies_the_max_tokens_override(monkeypatch):
+    """Applied once, in FlashMoE: the per-call token check and the buffers see the same bound."""
+    from flashmoe import ExpertPlacement, FlashMoE, MoELayerSpec
+
+    spec = MoELayerSpec(num_experts=4, top_k=2, hidden_size=128, intermediate_size=64, max_tokens_per_rank=256)
+    monkeypatch.setenv("FLASHMOE_MAX_TOKENS", "8")
+    moe = FlashMoE(spec, ExpertPlacement.contiguous(4, 1), device=torch.device("cpu"))
+    assert moe.spec.max_tokens_per_rank == 8
+    monkeypatch.delenv("FLASHMOE_MAX_TOKENS")
+    moe = FlashMoE(spec, ExpertPlacement.contiguous(4, 1), device=torch.device("cpu"))
+    assert moe.spec.max_tokens_per_rank == 256

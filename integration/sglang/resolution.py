@@ -114,7 +114,7 @@ def layer_spec_from_model(model_config, cfg) -> MoELayerSpec:
         top_k=top_k,
         hidden_size=hf.hidden_size,
         intermediate_size=intermediate,
-        max_tokens_per_rank=config.max_tokens_per_rank(max(1, cfg.chunked_prefill_size or 8192)),
+        max_tokens_per_rank=max(1, cfg.chunked_prefill_size or 8192),  # for the decision; scheduler layers size buffers
         dtype=model_config.dtype,
     )
 
