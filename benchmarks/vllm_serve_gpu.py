@@ -13,7 +13,7 @@ Runs (``--runs``, in order; each starts ``vllm.entrypoints.openai.api_server`` o
     vllm_tp4          TP4 without EP (experts tensor-parallel), vLLM's default MoE path
 
 Every run loads the same seeded random checkpoint (real shapes, N(0, 0.02) weights: see
-``flashmoe.tiny_model.make_qwen3_30b_a3b_shaped``), so greedy token ids are comparable across runs
+``flashmoe.demo.tiny_model.make_qwen3_30b_a3b_shaped``), so greedy token ids are comparable across runs
 and layouts. Each run: greedy ids for ``--check-prompts`` random-id prompts, then a throughput sweep
 (``--input-len`` random ids in, ``--output-len`` tokens out with ignore_eos, streaming) at each
 ``--concurrency``. One JSON per run lands in ``--out`` as soon as it finishes
@@ -42,7 +42,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "plugin"))
 from flashmoe.demo import VLLMServer  # noqa: E402
-from flashmoe.tiny_model import make_qwen3_30b_a3b_shaped  # noqa: E402
+from flashmoe.demo.tiny_model import make_qwen3_30b_a3b_shaped  # noqa: E402
 
 RUNS = {  # name: (parallel arguments, --moe-backend or None for vLLM's own)
     "flashmoe_dp4_ep": (["--data-parallel-size", "{n}", "--enable-expert-parallel"], "flashmoe"),

@@ -208,7 +208,7 @@ def main():
 
     t0 = time.time()
     import subprocess
-    procs = [subprocess.Popen([sys.executable, "-m", "flashmoe.jit"] + (["--variant", "stress"] if v else ["--variant", "default"]))
+    procs = [subprocess.Popen([sys.executable, "-m", "flashmoe.build"] + (["--variant", "stress"] if v else ["--variant", "default"]))
              for v in (0, 1)]
     for p in procs:
         p.wait()

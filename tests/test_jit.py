@@ -16,7 +16,8 @@ import time
 from pathlib import Path
 
 import pytest
-from flashmoe import jit
+from flashmoe import build as jit
+from flashmoe.build.__main__ import main as build_main
 from flashmoe.errors import FlashMoEBuildError
 
 needs_nvcc = pytest.mark.skipif(jit.find_nvcc() is None, reason="nvcc not on this machine")
@@ -68,7 +69,7 @@ def test_driverless_full_build_is_the_library_the_runtime_finds(
     compiled_at = kernel_o.stat().st_mtime_ns
     no_gpu = {k: v for k, v in os.environ.items() if k != "FLASHMOE_ARCH"}
     no_gpu.update(CUDA_VISIBLE_DEVICES="", FLASHMOE_CACHE_DIR=str(fresh_cache))
-    cli = [sys.executable, "-m", "flashmoe.jit", "--arch", "sm_90a"]
+    cli = [sys.executable, "-m", "flashmoe.build", "--arch", "sm_90a"]
     out = subprocess.run(cli, env=no_gpu, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
     lib = Path(out.stdout.strip().rsplit("library: ", 1)[1])
@@ -91,13 +92,13 @@ def test_driverless_full_build_is_the_library_the_runtime_finds(
     assert lib.stat().st_mtime_ns == linked_at and kernel_o.stat().st_mtime_ns == compiled_at
 
     monkeypatch.delenv("FLASHMOE_ARCH", raising=False)
-    assert jit.main(["--arch", "sm_90a", "--print-key"]) == 0
+    assert build_main(["--arch", "sm_90a", "--print-key"]) == 0
     shown = capsys.readouterr()
     key_info = json.loads(shown.out)
     assert key_info["key"] == sm90a_objects.key and key_info["library"] == str(lib) and key_info["built"]
     assert key_info["fields"] == info["fields"]
-    assert jit.main(["--arch", "sm_100a", "--print-key"]) == 1  # not built: the Docker build would fail
-    capsys.readouterr()
+    assert build_main(["--arch", "sm_100a", "--print-key"]) == 1  # not built: the Docker build would fail
+    assert "builds only for sm_90a" in capsys.readouterr().err
 
     # Linked without a driver: only the runtime API and NVSHMEM/torch libraries are needed; the op
     # registration is in the library.
@@ -131,12 +132,13 @@ def test_driverless_full_build_is_the_library_the_runtime_finds(
     # image's cache may be read-only to the pod's user).
     code = (
         "import filelock, torch\n"
-        "from flashmoe import jit\n"
+        "from flashmoe import build as jit\n"
+        "from flashmoe.build import recipe\n"
         "filelock.FileLock = None\n"
         "torch.cuda.is_available = lambda: True\n"
         "torch.cuda.get_device_capability = lambda device=None: (9, 0)\n"
         "def refuse(*a, **k): raise AssertionError('the runtime built again')\n"
-        "jit._compile = jit._link = refuse\n"
+        "recipe.compile_objects = recipe.link_library = refuse\n"
         "ops = jit.load()\n"
         "print(ops.build_info())\n"
     )
@@ -218,7 +220,7 @@ def test_missing_nvshmem_is_a_clear_error():
         "        if name == 'nvidia.nvshmem' or name.startswith('nvidia.nvshmem.'):\n"
         "            raise ImportError('hidden for the test')\n"
         "sys.meta_path.insert(0, Hide())\n"
-        "from flashmoe import jit\n"
+        "from flashmoe import build as jit\n"
         "from flashmoe.errors import FlashMoEBuildError\n"
         "try:\n"
         "    jit.nvshmem_dir()\n"
@@ -233,7 +235,7 @@ def test_missing_nvshmem_is_a_clear_error():
 def test_cli_compile_only_reports_failure_without_nvcc(tmp_path):
     env = dict(os.environ, FLASHMOE_NVCC=str(tmp_path / "missing"), FLASHMOE_CACHE_DIR=str(tmp_path))
     out = subprocess.run(
-        [sys.executable, "-m", "flashmoe.jit", "--arch", "sm_90a", "--compile-only"],
+        [sys.executable, "-m", "flashmoe.build", "--arch", "sm_90a", "--compile-only"],
         env=env,
         capture_output=True,
         text=True,
@@ -263,3 +265,11 @@ def test_cache_dir_is_overridable(tmp_path, monkeypatch):
 
     monkeypatch.setenv("FLASHMOE_CACHE_DIR", str(tmp_path / "x"))
     assert cache_dir() == tmp_path / "x"
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_100a", "8.9"])
+def test_an_arch_the_runtime_never_loads_is_refused(arch, capsys):
+    with pytest.raises(FlashMoEBuildError, match="builds only for sm_90a"):
+        jit.build(arch=arch, compile_only=True)
+    assert build_main(["--arch", arch]) == 1
+    assert "builds only for sm_90a" in capsys.readouterr().err

@@ -1,7 +1,7 @@
 """flashmoe.metrics on CPU: host-timed reference calls, the device-ring reader on hand-filled
 tensors, prometheus multiprocess mode, the worker bridge and the per-rank exporter.
 
-The ring tests write records the way the kernel does (layout in flashmoe.metrics_ring) and read the
+The ring tests write records the way the kernel does (layout in flashmoe.metrics.ring) and read the
 real prometheus_client registry back; processes that need a clean prometheus_client (multiprocess
 mode, FLASHMOE_METRICS=0, the bridge) run as subprocesses with a deadline.
 """
@@ -20,7 +20,7 @@ import flashmoe
 import pytest
 import torch
 from flashmoe import ExpertPlacement, FlashMoE, MoELayerSpec, metrics
-from flashmoe import metrics_ring as mr
+from flashmoe.metrics import ring as mr
 from prometheus_client import REGISTRY, CollectorRegistry, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -287,7 +287,8 @@ def test_multiprocess_mode_exposes_every_metric(tmp_path):
     """SGLang --enable-metrics and vLLM --api-server-count > 1 read workers through PROMETHEUS_MULTIPROC_DIR."""
     writer = """
         import torch, flashmoe
-        from flashmoe import metrics, metrics_ring as mr
+        from flashmoe import metrics
+        from flashmoe.metrics import ring as mr
         ref = metrics.register_layer("mp.ref", "reference", ep_rank=1)
         mk = metrics.register_layer("mp.mk", "megakernel", ep_rank=1)
         metrics.record_host_call(ref, 0.002, 7)

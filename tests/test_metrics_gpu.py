@@ -33,7 +33,7 @@ def _reader_next_to_graph_capture(rank: int, world: int, port: int) -> None:
     default global capture mode, which any unsafe CUDA call from another thread would invalidate."""
     apply_rank_env()
     from flashmoe import metrics
-    from flashmoe import metrics_ring as mr
+    from flashmoe.metrics import ring as mr
 
     torch.cuda.set_device(0)
     lid = metrics.register_layer("gpu.synthetic", "megakernel", ep_rank=0)
@@ -74,7 +74,7 @@ def _megakernel_records(rank: int, world: int, port: int) -> None:
     apply_rank_env()
     import torch.distributed as dist
     from flashmoe import ExpertPlacement, FlashMoE, MoELayerSpec, megakernel, metrics
-    from flashmoe import metrics_ring as mr
+    from flashmoe.metrics import ring as mr
 
     torch.cuda.set_device(0)
     device = torch.device("cuda", 0)

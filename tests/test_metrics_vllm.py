@@ -3,7 +3,7 @@
 
 The MoE layers run in the engine-core process, ``/metrics`` is served by the API server. vLLM's
 default (one API server, no ``PROMETHEUS_MULTIPROC_DIR``) goes through flashmoe's worker bridge
-(:mod:`flashmoe.metrics_bridge`, installed by the vLLM plugin): that is what runs here. With
+(:mod:`flashmoe.metrics.bridge`, installed by the vLLM plugin): that is what runs here. With
 ``PROMETHEUS_MULTIPROC_DIR`` exported (or ``--api-server-count > 1``) vLLM reads prometheus_client's
 multiprocess files instead; test_metrics.py checks flashmoe's files with the same collector vLLM uses
 (``TRANSPORTS`` below runs it end to end too, at ~35 s more CI time).
@@ -20,7 +20,7 @@ pytest.importorskip("transformers")
 
 import flashmoe  # noqa: E402
 from flashmoe.demo import VLLMServer  # noqa: E402
-from flashmoe.tiny_model import make_tiny_qwen3_moe, prompt_words  # noqa: E402
+from flashmoe.demo.tiny_model import make_tiny_qwen3_moe, prompt_words  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]

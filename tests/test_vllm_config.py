@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from flashmoe.tiny_model import make_tiny_qwen3_moe  # noqa: E402
+from flashmoe.demo.tiny_model import make_tiny_qwen3_moe  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 

@@ -19,7 +19,7 @@ pytest.importorskip("vllm")
 pytest.importorskip("transformers")
 
 from flashmoe.demo import VLLMServer  # noqa: E402
-from flashmoe.tiny_model import greedy_reference, make_tiny_qwen3_moe, prompt_words  # noqa: E402
+from flashmoe.demo.tiny_model import greedy_reference, make_tiny_qwen3_moe, prompt_words  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

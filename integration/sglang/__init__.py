@@ -2,8 +2,8 @@
 
 SGLang's plugin loader (entry point group ``sglang.srt.plugins``) calls :func:`register` in the
 launcher and in every scheduler process. It adds the runner name, wraps the ``handle_a2a_moe``
-resolution step (flashmoe -> ``moe_a2a_backend=customized``, ``ep_size=tp_size``) and registers
-the runtime hooks listed in :mod:`.hooks`. SGLang only logs a plugin's exceptions, so every
+resolution step (flashmoe -> ``moe_a2a_backend=customized``, ``ep_size=tp_size``; :mod:`.resolution`)
+and registers the runtime hooks listed in :mod:`.hooks` (their functions: :mod:`.runtime`). SGLang only logs a plugin's exceptions, so every
 misconfiguration is raised later, from the resolution step, where it stops the launch.
 
 Importing this package imports neither SGLang nor ``prometheus_client``.
@@ -15,12 +15,8 @@ import logging
 
 logger = logging.getLogger(__name__)
 
-MIN_SGLANG = (
-    0,
-    5,
-    23,
-)  # first release with resolution hooks + runner-core registry + a2a "customized" dispatch
-TESTED_SGLANG = ("0.5.23",)
+# First release with resolution hooks + runner-core registry + a2a "customized" dispatch.
+MIN_SGLANG = (0, 5, 23)
 
 
 def sglang_version() -> str:
@@ -53,9 +49,44 @@ def register() -> None:
         # "invalid choice" error; this line says why.
         logger.error("flashmoe is not registered with SGLang: %s", why)
         return
-    from .hooks import install
-
     install()
 
 
-__all__ = ["register", "MIN_SGLANG", "TESTED_SGLANG"]
+_installed = False
+
+
+def install() -> None:
+    """Register flashmoe with SGLang (idempotent). Called by the ``sglang.srt.plugins`` entry point,
+    before ``HookRegistry.apply_hooks()``, in the launcher and in every scheduler process."""
+    global _installed
+    if _installed:
+        return
+    from sglang.srt.arg_groups.resolution_hooks import register_resolution_hook
+    from sglang.srt.layers.moe.moe_runner.runner import (
+        _CUSTOM_RUNNER_CORE_FACTORIES,
+        register_moe_runner_core,
+    )
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    from sglang.srt.server_args import MOE_RUNNER_BACKEND_CHOICES, add_moe_runner_backend_choices
+
+    from . import resolution, runtime
+    from .hooks import RESOLUTION_STEP, RUNNER_NAME, RUNTIME_HOOKS
+
+    if RUNNER_NAME not in MOE_RUNNER_BACKEND_CHOICES:
+        add_moe_runner_backend_choices([RUNNER_NAME])
+    register_resolution_hook(RESOLUTION_STEP)(resolution.resolve_flashmoe)
+    # register_moe_runner_core raises on a second registration (e.g. a re-imported plugin).
+    if RUNNER_NAME not in _CUSTOM_RUNNER_CORE_FACTORIES:
+        register_moe_runner_core(RUNNER_NAME, runtime.FlashMoERunnerCore)
+    hook_fns = {
+        "create_moe_dispatcher": runtime.create_moe_dispatcher_hook,
+        "post_experts_output_is_complete": runtime.output_is_complete_hook,
+        "run_moe_core": runtime.run_moe_core_hook,
+        "load_model": runtime.load_model_hook,
+    }
+    for target, hook_type in RUNTIME_HOOKS.items():
+        HookRegistry.register(target, hook_fns[target.rsplit(".", 1)[1]], HookType[hook_type])
+    _installed = True
+
+
+__all__ = ["register", "install", "MIN_SGLANG"]

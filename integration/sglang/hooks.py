@@ -1,15 +1,12 @@
-"""Every SGLang extension point flashmoe uses, and the one function that installs them.
+"""Every SGLang extension point flashmoe uses, and the names flashmoe registers under.
 
 Keeping the targets here (and nowhere else) means one unit test proves each still resolves in the
 installed SGLang, and a release that moves one fails that test instead of a server at startup.
-All targets were read from SGLang 0.5.23.
+All targets were read from SGLang 0.5.23. This module imports nothing from the adapter: resolution
+and runtime read it, and the package's ``install()`` wires the three together.
 """
 
 from __future__ import annotations
-
-import logging
-
-logger = logging.getLogger(__name__)
 
 RUNNER_NAME = "flashmoe"  # --moe-runner-backend value
 A2A_BACKEND = "customized"  # SGLang's a2a value for a backend that brings its own all-to-all
@@ -48,42 +45,6 @@ EXTENSION_POINTS: tuple[str, ...] = (
     "sglang.srt.runtime_context.get_parallel",
     "sglang.srt.runtime_context.cutedsl_moe_max_num_tokens",
 )
-
-_installed = False
-
-
-def install() -> None:
-    """Register flashmoe with SGLang (idempotent). Called by the ``sglang.srt.plugins`` entry point,
-    before ``HookRegistry.apply_hooks()``, in the launcher and in every scheduler process."""
-    global _installed
-    if _installed:
-        return
-    from sglang.srt.arg_groups.resolution_hooks import register_resolution_hook
-    from sglang.srt.layers.moe.moe_runner.runner import (
-        _CUSTOM_RUNNER_CORE_FACTORIES,
-        register_moe_runner_core,
-    )
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-    from sglang.srt.server_args import MOE_RUNNER_BACKEND_CHOICES, add_moe_runner_backend_choices
-
-    from . import resolution, runtime
-
-    if RUNNER_NAME not in MOE_RUNNER_BACKEND_CHOICES:
-        add_moe_runner_backend_choices([RUNNER_NAME])
-    register_resolution_hook(RESOLUTION_STEP)(resolution.resolve_flashmoe)
-    # register_moe_runner_core raises on a second registration (e.g. a re-imported plugin).
-    if RUNNER_NAME not in _CUSTOM_RUNNER_CORE_FACTORIES:
-        register_moe_runner_core(RUNNER_NAME, runtime.FlashMoERunnerCore)
-    hook_fns = {
-        "create_moe_dispatcher": runtime.create_moe_dispatcher_hook,
-        "post_experts_output_is_complete": runtime.output_is_complete_hook,
-        "run_moe_core": runtime.run_moe_core_hook,
-        "load_model": runtime.load_model_hook,
-    }
-    for target, hook_type in RUNTIME_HOOKS.items():
-        HookRegistry.register(target, hook_fns[target.rsplit(".", 1)[1]], HookType[hook_type])
-    _installed = True
-
 
 def runtime_hooks_applied() -> list[str]:
     """The runtime hook targets HookRegistry has patched (apply_hooks only logs its failures)."""

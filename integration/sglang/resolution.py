@@ -9,24 +9,19 @@ cannot serve correctly at all are refused here, with an error that names the fla
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 from dataclasses import dataclass
 
 import torch
-from flashmoe import MoELayerSpec
-from flashmoe.backend import MEGAKERNEL, select_backend
-from flashmoe.config import env, env_int
+from flashmoe import MoELayerSpec, config
+from flashmoe.backend import MEGAKERNEL, REFERENCE, deep_ep_importable, select_backend
 
-from .hooks import A2A_BACKEND, RUNNER_NAME
+from .hooks import A2A_BACKEND, RUNNER_NAME, RUNTIME_HOOKS, runtime_hooks_applied
 
 logger = logging.getLogger(__name__)
 
 SOURCE = "flashmoe"  # provenance tag on SGLang's resolution declarations
-# Carries a fallback reason to the scheduler processes, which count it in the metrics: the launcher
-# must not import prometheus_client before SGLang exports PROMETHEUS_MULTIPROC_DIR.
-FALLBACK_ENV = "FLASHMOE_SGLANG_FALLBACK"
 
 # Models whose shared experts SGLang replicates per rank when SGLANG_SHARED_EXPERT_TP1=1
 # (sglang/srt/models/deepseek_v2.py). Elsewhere a shared expert stays TP-sharded under a
@@ -55,18 +50,15 @@ def resolve_flashmoe(server_args, previous) -> None:
         decision = decide(server_args)
         declare_resolution(server_args, SOURCE, **decision.fields)
         (logger.warning if decision.fallback else logger.info)(decision.message)
-        if decision.fallback:
-            os.environ[FALLBACK_ENV] = decision.message
-        else:
-            os.environ.pop(FALLBACK_ENV, None)
+        # The scheduler processes count a fallback in the metrics: the launcher must not import
+        # prometheus_client before SGLang exports PROMETHEUS_MULTIPROC_DIR.
+        config.set_sglang_fallback(decision.message if decision.fallback else None)
     previous(server_args)
 
 
 def decide(server_args) -> Resolution:
     """Validate a flashmoe launch and choose between flashmoe and SGLang's own MoE path."""
     from sglang.srt.arg_groups.model_override_base import model_config_of, resolving_view
-
-    from .hooks import runtime_hooks_applied
 
     cfg = resolving_view(server_args)
     _refuse_incompatible_flags(cfg)
@@ -76,11 +68,10 @@ def decide(server_args) -> Resolution:
     device = _target_device(cfg.device)
     choice = select_backend(spec, device, cfg.tp_size, quantized)  # raises under FLASHMOE_STRICT=1
 
-    forced_reference = env("FLASHMOE_BACKEND").strip().lower() == "reference"
-    if choice.name != MEGAKERNEL and device.type == "cuda" and not forced_reference:
+    if choice.name != MEGAKERNEL and device.type == "cuda" and config.backend() != REFERENCE:
         return _fallback(choice.reason)
 
-    missing = [t for t in _required_runtime_hooks() if t not in runtime_hooks_applied()]
+    missing = [t for t in RUNTIME_HOOKS if t not in runtime_hooks_applied()]
     if missing:
         raise RuntimeError(
             f"flashmoe: SGLang did not apply the runtime hooks {missing} (see the plugin loader's log above); "
@@ -123,7 +114,7 @@ def layer_spec_from_model(model_config, cfg) -> MoELayerSpec:
         top_k=top_k,
         hidden_size=hf.hidden_size,
         intermediate_size=intermediate,
-        max_tokens_per_rank=env_int("FLASHMOE_MAX_TOKENS") or max(1, cfg.chunked_prefill_size or 8192),
+        max_tokens_per_rank=max(1, cfg.chunked_prefill_size or 8192),  # for the decision; scheduler layers size buffers
         dtype=model_config.dtype,
     )
 
@@ -169,7 +160,7 @@ def _refuse_unsupported_shared_experts(model_config, cfg) -> None:
 
 
 def _fallback(reason: str) -> Resolution:
-    if _deep_ep_imports():
+    if deep_ep_importable():
         fields = {"moe_runner_backend": "auto", "moe_a2a_backend": "deepep"}
         target = "SGLang's deepep backend"
     else:
@@ -178,20 +169,6 @@ def _fallback(reason: str) -> Resolution:
     return Resolution(
         fields, f"flashmoe: megakernel unavailable ({reason}); falling back to {target}", fallback=True
     )
-
-
-def _deep_ep_imports() -> bool:
-    try:
-        importlib.import_module("deep_ep")
-    except Exception:  # ImportError, or a broken CUDA extension
-        return False
-    return True
-
-
-def _required_runtime_hooks() -> list[str]:
-    from .hooks import RUNTIME_HOOKS
-
-    return list(RUNTIME_HOOKS)
 
 
 def _target_device(device: str | None) -> torch.device:

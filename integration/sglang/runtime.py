@@ -15,8 +15,7 @@ from __future__ import annotations
 import logging
 
 import torch
-from flashmoe import ExpertPlacement, FlashMoE, MoELayerSpec, metrics
-from flashmoe.config import env, env_int
+from flashmoe import ExpertPlacement, FlashMoE, MoELayerSpec, config, metrics
 
 from .hooks import RUNNER_NAME
 
@@ -109,11 +108,9 @@ _fallback_recorded = False
 
 
 def _record_launch_fallback() -> None:
-    """Count the launcher's fallback decision once per scheduler process (see resolution.FALLBACK_ENV)."""
+    """Count the launcher's fallback decision (resolution.resolve_flashmoe) once per scheduler process."""
     global _fallback_recorded
-    from .resolution import FALLBACK_ENV
-
-    reason = env(FALLBACK_ENV)
+    reason = config.sglang_fallback()
     if reason and not _fallback_recorded:
         metrics.record_fallback(reason)
         _fallback_recorded = True
@@ -187,10 +184,10 @@ def prepare_layer(layer) -> FlashMoE:
     from sglang.srt.runtime_context import get_parallel
 
     parallel = get_parallel()
-    ep_size = layer.moe_ep_size
-    if layer.num_local_experts * ep_size != layer.num_experts:
+    world_size = layer.moe_ep_size
+    if layer.num_local_experts * world_size != layer.num_experts:
         raise ValueError(
-            f"flashmoe: layer {layer.layer_name}: {layer.num_experts} experts over {ep_size} ranks "
+            f"flashmoe: layer {layer.layer_name}: {layer.num_experts} experts over {world_size} ranks "
             f"but {layer.num_local_experts} local"
         )
     spec = MoELayerSpec(
@@ -205,9 +202,9 @@ def prepare_layer(layer) -> FlashMoE:
     op = FlashMoE(
         spec,
         # SGLang places experts contiguously: rank r owns [r * E_local, (r + 1) * E_local).
-        ExpertPlacement.contiguous(layer.num_experts, ep_size),
-        group.device_group if ep_size > 1 else None,
-        cpu_group=group.cpu_group if ep_size > 1 else None,
+        ExpertPlacement.contiguous(layer.num_experts, world_size),
+        group.device_group if world_size > 1 else None,
+        cpu_group=group.cpu_group if world_size > 1 else None,
         layer_name=layer.layer_name or f"layer{layer.layer_id}",
         device=layer.w13_weight.device,
     )
@@ -217,11 +214,11 @@ def prepare_layer(layer) -> FlashMoE:
 
 
 def max_tokens_per_rank() -> int:
-    """Tokens one rank brings to one call: FLASHMOE_MAX_TOKENS, else SGLang's own bound (the
-    max of the prefill chunk, the piecewise-prefill capture size and decode batch x draft tokens)."""
+    """Tokens one rank brings to one call: SGLang's own bound (the max of the prefill chunk, the
+    piecewise-prefill capture size and decode batch x draft tokens); FlashMoE applies FLASHMOE_MAX_TOKENS."""
     from sglang.srt.runtime_context import cutedsl_moe_max_num_tokens
 
-    return env_int("FLASHMOE_MAX_TOKENS") or max(1, int(cutedsl_moe_max_num_tokens()))
+    return max(1, int(cutedsl_moe_max_num_tokens()))
 
 
 def _output_scale(layer) -> float | None:

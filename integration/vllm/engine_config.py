@@ -21,10 +21,8 @@ Per-layer conditions that only a worker can see (NVSHMEM init, JIT build) are ha
 
 from __future__ import annotations
 
-import importlib.util
-
-from flashmoe.backend import REFERENCE, shape_unsupported_reason
-from flashmoe.config import env, env_flag
+from flashmoe import config
+from flashmoe.backend import REFERENCE, deep_ep_importable, megakernel_unsupported_reason_for
 from flashmoe.errors import FlashMoEUnsupported
 
 from . import compat
@@ -96,7 +94,7 @@ def resolve(vllm_config) -> Fallback | None:
 
     platform = compat.platform_kind()
     if platform == "cpu":
-        if env_flag("FLASHMOE_STRICT"):
+        if config.strict():
             raise FlashMoEUnsupported(
                 "FLASHMOE_STRICT=1: on CPU flashmoe runs the PyTorch reference, not the megakernel"
             )
@@ -104,7 +102,7 @@ def resolve(vllm_config) -> Fallback | None:
             "flashmoe: CPU platform: MoE layers run flashmoe's distributed PyTorch reference over the EP group"
         )
         return None
-    if platform == "cuda" and env("FLASHMOE_BACKEND").strip().lower() == REFERENCE:
+    if platform == "cuda" and config.backend() == REFERENCE:
         if not model.enforce_eager:
             raise ValueError(
                 "FLASHMOE_BACKEND=reference on CUDA synchronises with the host inside the MoE layer, "
@@ -115,7 +113,7 @@ def resolve(vllm_config) -> Fallback | None:
     reason = megakernel_refusal(vllm_config, platform)
     if reason is None:
         return None
-    if env_flag("FLASHMOE_STRICT"):
+    if config.strict():
         raise FlashMoEUnsupported(
             f"FLASHMOE_STRICT=1 and the flashmoe megakernel cannot serve this model: {reason}"
         )
@@ -126,7 +124,7 @@ def resolve(vllm_config) -> Fallback | None:
     if (
         parallel.enable_expert_parallel
         and parallel.all2all_backend == compat.DEFAULT_ALL2ALL_BACKEND
-        and _deep_ep_importable()
+        and deep_ep_importable()
     ):
         all2all = compat.DEEPEP_ALL2ALL_BACKEND
         chosen = f"vLLM's DeepEP path (all2all_backend={all2all}, moe_backend=auto)"
@@ -137,45 +135,22 @@ def resolve(vllm_config) -> Fallback | None:
 
 
 def megakernel_refusal(vllm_config, platform: str) -> str | None:
-    """Why the megakernel cannot serve this deployment, from config alone (None if it can)."""
+    """Why the megakernel cannot serve this deployment, from config alone (None if it can): the
+    platform here, everything else in :func:`flashmoe.backend.megakernel_unsupported_reason_for`."""
     if platform != "cuda":
         return f"platform is {platform}, the megakernel needs an NVIDIA Hopper GPU"
-    cap = compat.current_device_capability()
-    if cap is None:
+    capability = compat.current_device_capability()
+    if capability is None:
         return "no CUDA device visible"
-    if cap != (9, 0):
-        return f"GPU is sm_{cap[0]}{cap[1]}; the megakernel is built for Hopper (sm_90a)"
     model = vllm_config.model_config
-    if model.quantization is not None:
-        return (
-            f"{model.quantization} checkpoint (only bf16 weights are supported until the fp8 kernel exists)"
-        )
     text_config = model.hf_text_config
     parallel = vllm_config.parallel_config
-    why = shape_unsupported_reason(  # a field the config lacks (or sets to None) is not checked here
+    return megakernel_unsupported_reason_for(  # a field the config lacks (or sets to None) is not checked
+        capability,
         getattr(text_config, "hidden_size", None) or 0,
         getattr(text_config, "moe_intermediate_size", None) or 0,
         getattr(text_config, "num_experts_per_tok", None) or 0,
         parallel.tensor_parallel_size * parallel.data_parallel_size,
         model.dtype,
+        model.quantization,
     )
-    if why is not None:
-        return why
-    if not _module_exists("nvidia.nvshmem"):
-        return "NVSHMEM (pip package nvidia-nvshmem-cu13) is not installed"
-    return None
-
-
-def _module_exists(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name) is not None
-    except ImportError:  # a missing parent package
-        return False
-
-
-def _deep_ep_importable() -> bool:
-    try:
-        import deep_ep  # noqa: F401
-    except Exception:
-        return False
-    return True

@@ -17,9 +17,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from flashmoe import ExpertPlacement, FlashMoE, MoELayerSpec, metrics
+from flashmoe import ExpertPlacement, FlashMoE, MoELayerSpec, config, metrics
 from flashmoe.backend import REFERENCE
-from flashmoe.config import env, env_flag, env_int
 from flashmoe.errors import FlashMoEError, FlashMoEUnsupported
 from vllm.model_executor.layers.fused_moe import modular_kernel as mk
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation
@@ -77,13 +76,13 @@ class FlashMoEUnquantizedMethod(UnquantizedFusedMoEMethod):
             except FlashMoEUnsupported:
                 raise  # FLASHMOE_STRICT / FLASHMOE_BACKEND=megakernel: the user asked for an error
             except FlashMoEError as e:  # JIT build or NVSHMEM init failed on this worker
-                if env_flag("FLASHMOE_STRICT"):
+                if config.strict():
                     raise
                 reason = f"{type(e).__name__}: {e}"
             else:
                 if self.flashmoe.backend == REFERENCE and _megakernel_expected(self.flashmoe.device):
                     reason = self.flashmoe.reason
-        elif env_flag("FLASHMOE_STRICT"):
+        elif config.strict():
             raise FlashMoEUnsupported(f"{layer.layer_name}: flashmoe cannot serve this layer: {reason}")
 
         if reason is not None:
@@ -130,13 +129,12 @@ def build_flashmoe(layer, moe) -> FlashMoE:
     ep = get_ep_group()
     w13, w2 = layer.w13_weight, layer.w2_weight
     placement = gather_placement(layer.expert_map, layer.global_num_experts, ep.cpu_group, ep.world_size)
-    max_tokens = env_int("FLASHMOE_MAX_TOKENS") or moe.max_num_tokens
     spec = MoELayerSpec(
         num_experts=layer.global_num_experts,
         top_k=moe.experts_per_token,
         hidden_size=w13.shape[2],  # the weights' (possibly padded) sizes are what the kernel reads
         intermediate_size=w2.shape[2],
-        max_tokens_per_rank=max_tokens,
+        max_tokens_per_rank=moe.max_num_tokens,  # FlashMoE applies FLASHMOE_MAX_TOKENS
         dtype=w13.dtype,
     )
     return FlashMoE(
@@ -169,7 +167,7 @@ def gather_placement(
 
 def _megakernel_expected(device: torch.device) -> bool:
     """On CUDA the reference is a fallback unless the user forced it; on CPU it is the backend."""
-    return device.type == "cuda" and env("FLASHMOE_BACKEND").strip().lower() != REFERENCE
+    return device.type == "cuda" and config.backend() != REFERENCE
 
 
 def _log_layer(moe: FlashMoE) -> None:

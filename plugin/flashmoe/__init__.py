@@ -4,7 +4,7 @@ Engine-agnostic API::
 
     from flashmoe import FlashMoE, MoELayerSpec, ExpertPlacement
     moe = FlashMoE(MoELayerSpec(num_experts=128, top_k=8, hidden_size=2048, intermediate_size=768,
-                                max_tokens_per_rank=8192), ExpertPlacement.contiguous(128, ep_size), ep_group)
+                                max_tokens_per_rank=8192), ExpertPlacement.contiguous(128, world_size), ep_group)
     out = moe(hidden_states, topk_ids, topk_weights, w13, w2)
 
 Importing flashmoe is cheap: no CUDA work, no compilation, no prometheus_client import.

@@ -1,18 +1,21 @@
 """Which implementation serves a layer, and why.
 
-``select_backend`` is engine-agnostic: it answers whether the megakernel can run this layer on this
-device. Engine adapters map a refusal to their own fallback (vLLM's DeepEP or default path, SGLang's
-deepep), log one line with the reason, and honour ``FLASHMOE_STRICT``.
+Every "can the megakernel run this?" check lives here. ``select_backend`` answers it for one layer on
+one device; :func:`megakernel_unsupported_reason_for` answers it from a model config and a compute
+capability alone, which is what engine adapters call at config time (no CUDA context). Adapters map
+a refusal to their own fallback (vLLM's DeepEP or default path, SGLang's deepep; :func:`deep_ep_importable`),
+log one line with the reason, and honour ``FLASHMOE_STRICT``.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from dataclasses import dataclass
 
 import torch
 
-from .config import env, env_flag
+from . import config
 from .errors import FlashMoEUnsupported
 from .spec import MoELayerSpec
 
@@ -25,8 +28,10 @@ REFERENCE = "reference"
 HIDDEN_MULTIPLE = 128
 INTERMEDIATE_MULTIPLE = 64
 MAX_TOP_K = 16
-MAX_LOCAL_EXPERTS = 1 << 15
 MAX_WORLD = 64
+
+# The one compute capability the megakernel is built for (flashmoe.build.RUNNABLE_ARCH is its arch).
+HOPPER = (9, 0)
 
 
 @dataclass(frozen=True)
@@ -58,46 +63,77 @@ def shape_unsupported_reason(
     return None
 
 
-def megakernel_unsupported_reason(
-    spec: MoELayerSpec, device: torch.device, world_size: int, quantized: bool = False
+def megakernel_unsupported_reason_for(
+    capability: tuple[int, int],
+    hidden_size: int,
+    intermediate_size: int,
+    top_k: int,
+    world_size: int,
+    dtype: torch.dtype | None = torch.bfloat16,
+    quantization: str | None = None,
 ) -> str | None:
-    """None if the megakernel can serve the layer on ``device``, else a one-line reason."""
-    if quantized:
-        return "quantized weights (the fp8 kernel does not exist yet)"
-    if device.type != "cuda":
-        return f"device is {device.type}, not cuda"
-    if not torch.cuda.is_available():
-        return "CUDA is not available"
-    major, minor = torch.cuda.get_device_capability(device)
-    if (major, minor) != (9, 0):
-        return f"GPU is sm_{major}{minor}; the megakernel is built for Hopper (sm_90a)"
-    why = shape_unsupported_reason(
-        spec.hidden_size, spec.intermediate_size, spec.top_k, world_size, spec.dtype
-    )
+    """None if the megakernel can serve a layer of this shape on a GPU of ``capability``, else a one-line
+    reason. Needs no CUDA context: engines call it at config time with the capability their platform reports."""
+    if capability != HOPPER:
+        return f"GPU is sm_{capability[0]}{capability[1]}; the megakernel is built for Hopper (sm_90a)"
+    if quantization is not None:
+        return f"{quantization} weights (the megakernel runs bf16 weights; there is no fp8 kernel yet)"
+    why = shape_unsupported_reason(hidden_size, intermediate_size, top_k, world_size, dtype)
     if why is not None:
         return why
-    try:
-        import nvidia.nvshmem  # noqa: F401
-    except ImportError:
+    if not _module_exists("nvidia.nvshmem"):
         return "NVSHMEM (pip package nvidia-nvshmem-cu13) is not installed"
-    from .jit import find_nvcc
+    from .build.toolchain import find_nvcc
 
     if find_nvcc() is None:  # the JIT cache key holds the nvcc version: even a prebuilt kernel needs nvcc
         return "nvcc not found (set FLASHMOE_NVCC or CUDA_HOME)"
     return None
 
 
+def megakernel_unsupported_reason(
+    spec: MoELayerSpec, device: torch.device, world_size: int, quantized: bool = False
+) -> str | None:
+    """None if the megakernel can serve the layer on ``device``, else a one-line reason."""
+    if device.type != "cuda":
+        return f"device is {device.type}, not cuda"
+    if not torch.cuda.is_available():
+        return "CUDA is not available"
+    return megakernel_unsupported_reason_for(
+        tuple(torch.cuda.get_device_capability(device)),
+        spec.hidden_size,
+        spec.intermediate_size,
+        spec.top_k,
+        world_size,
+        spec.dtype,
+        "quantized" if quantized else None,
+    )
+
+
 def select_backend(
     spec: MoELayerSpec, device: torch.device, world_size: int, quantized: bool = False
 ) -> BackendChoice:
-    forced = env("FLASHMOE_BACKEND").strip().lower()
-    if forced not in ("auto", MEGAKERNEL, REFERENCE):
-        raise ValueError(f"FLASHMOE_BACKEND={forced!r}: expected auto, megakernel or reference")
+    forced = config.backend()
     if forced == REFERENCE:
         return BackendChoice(REFERENCE, "FLASHMOE_BACKEND=reference")
     why = megakernel_unsupported_reason(spec, device, world_size, quantized)
     if why is None:
         return BackendChoice(MEGAKERNEL, "sm_90 GPU, bf16, supported shape")
-    if forced == MEGAKERNEL or env_flag("FLASHMOE_STRICT"):
+    if forced == MEGAKERNEL or config.strict():
         raise FlashMoEUnsupported(f"flashmoe megakernel cannot serve this layer: {why}")
     return BackendChoice(REFERENCE, why)
+
+
+def deep_ep_importable() -> bool:
+    """Whether the engines' DeepEP fallback can be used here (deep_ep imports, its CUDA extension loads)."""
+    try:
+        import deep_ep  # noqa: F401
+    except Exception:  # ImportError, or a broken CUDA extension
+        return False
+    return True
+
+
+def _module_exists(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ImportError:  # a missing parent package
+        return False

@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from .config import env_flag, env_int
+from . import config
 from .contract import MAX_LAYERS, RING_FIELDS, RING_SLOTS, STATUS_WORDS, TOTALS_FIELDS, Capacity
 from .errors import FlashMoEError
 
@@ -96,7 +96,6 @@ def ensure(ops, capacity: Capacity, rank: int, world: int, group, device: torch.
     buffers = SymmetricBuffers(ops, capacity, rank, device)
     _state["buffers"] = buffers
     logger.info("%s", buffers.describe())
-    _attach_metrics(buffers)
     return buffers
 
 
@@ -106,17 +105,9 @@ def current() -> SymmetricBuffers | None:
 
 def default_num_blocks(ops, device: torch.device) -> int:
     resident = ops.max_resident_blocks(device.index)
-    budget = env_int("FLASHMOE_NUM_BLOCKS")
+    budget = config.num_blocks()
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     blocks = min(budget if budget > 0 else sms, resident)
     if blocks < 1:
         raise FlashMoEError("the megakernel cannot be resident on this GPU (occupancy query returned 0 blocks)")
     return blocks
-
-
-def _attach_metrics(buffers: SymmetricBuffers) -> None:
-    if not env_flag("FLASHMOE_METRICS"):
-        return
-    from . import metrics
-
-    metrics.attach_device_source(buffers.metrics_ring, buffers.metrics_totals)

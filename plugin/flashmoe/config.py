@@ -1,8 +1,9 @@
-"""Every ``FLASHMOE_*`` environment variable, parsed in one place.
+"""Every ``FLASHMOE_*`` environment variable, declared and parsed here and nowhere else.
 
-Read through :func:`env` at the moment a value is needed (not at import), so tests and launchers
-can set variables after ``import flashmoe``. The README's configuration table is generated from
-:data:`ENV_VARS`; keep the two in step by editing only this list.
+The rest of flashmoe reads them through the typed accessors below, at the moment a value is needed
+(not at import), so tests and launchers can set variables after ``import flashmoe``. The README's
+configuration table is :func:`env_table_markdown` of :data:`ENV_VARS` (tests/test_config.py fails when
+they differ).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ class EnvVar:
     help: str
 
 
-# One variable per line (the README table is generated from it): kept out of the formatter.
+# One variable per line, as in the README table: kept out of the formatter.
 # fmt: off
 ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("FLASHMOE_CACHE_DIR", "~/.cache/flashmoe", "JIT build cache (compiled kernels, lock files)."),
@@ -32,7 +33,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("FLASHMOE_MAX_TOKENS", "0", "Max tokens per rank per call the symmetric buffers are sized for; 0 = what the engine reports."),
     EnvVar("FLASHMOE_STRICT", "0", "1 turns any fallback away from the megakernel into an error."),
     EnvVar("FLASHMOE_BACKEND", "auto", "auto | megakernel | reference: force the implementation behind the op."),
-    EnvVar("FLASHMOE_METRICS", "1", "0 disables in-kernel timing and the Prometheus export."),
+    EnvVar("FLASHMOE_METRICS", "1", "0 turns off the Prometheus export and the kernel's metrics records (read once per process)."),
     EnvVar("FLASHMOE_METRICS_PORT", "0", "If set, each rank serves its own Prometheus exporter on PORT + local rank."),
     EnvVar("FLASHMOE_METRICS_ADDR", "0.0.0.0", "Address the per-rank exporter (FLASHMOE_METRICS_PORT) binds."),
     EnvVar("FLASHMOE_METRICS_BRIDGE_DIR", "", "Set by the vLLM plugin for its workers (not by users): where they leave metrics for the API server's /metrics."),
@@ -68,11 +69,112 @@ def env_flag(name: str) -> bool:
     raise ValueError(f"{name}={raw!r}: expected 0 or 1")
 
 
+def _optional(name: str) -> str | None:
+    return env(name).strip() or None
+
+
+# --- the JIT (flashmoe.build)
+
+
 def cache_dir() -> Path:
     return Path(os.path.expanduser(env("FLASHMOE_CACHE_DIR")))
 
 
+def nvcc_override() -> str | None:
+    return _optional("FLASHMOE_NVCC")
+
+
+def arch_override() -> str | None:
+    return _optional("FLASHMOE_ARCH")
+
+
+def jit_verbose() -> bool:
+    return env_flag("FLASHMOE_JIT_VERBOSE")
+
+
+def stress_delay_ns() -> int:
+    return env_int("FLASHMOE_STRESS_DELAY_NS")
+
+
+# --- the op and the kernel's runtime arguments
+
+BACKENDS = ("auto", "megakernel", "reference")
+
+
+def backend() -> str:
+    """FLASHMOE_BACKEND, one of :data:`BACKENDS`."""
+    value = env("FLASHMOE_BACKEND").strip().lower()
+    if value not in BACKENDS:
+        raise ValueError(f"FLASHMOE_BACKEND={value!r}: expected one of {', '.join(BACKENDS)}")
+    return value
+
+
+def strict() -> bool:
+    return env_flag("FLASHMOE_STRICT")
+
+
+def max_tokens_per_rank(reported: int) -> int:
+    """FLASHMOE_MAX_TOKENS if set (> 0), else ``reported``: the bound the engine or caller gave."""
+    return env_int("FLASHMOE_MAX_TOKENS") or reported
+
+
+def timeout_ms() -> int:
+    return env_int("FLASHMOE_TIMEOUT_MS")
+
+
+def force_put() -> bool:
+    return env_flag("FLASHMOE_FORCE_PUT")
+
+
+def num_blocks() -> int:
+    """FLASHMOE_NUM_BLOCKS; 0 = as many as the occupancy check allows."""
+    return env_int("FLASHMOE_NUM_BLOCKS")
+
+
+# --- metrics
+
+_metrics_enabled: bool | None = None
+
+
+def metrics_enabled() -> bool:
+    """FLASHMOE_METRICS, read once per process: the kernel's records and the export must agree."""
+    global _metrics_enabled
+    if _metrics_enabled is None:
+        _metrics_enabled = env_flag("FLASHMOE_METRICS")
+    return _metrics_enabled
+
+
+def metrics_port() -> int:
+    return env_int("FLASHMOE_METRICS_PORT")
+
+
+def metrics_addr() -> str:
+    return env("FLASHMOE_METRICS_ADDR")
+
+
+def metrics_bridge_dir() -> str | None:
+    return _optional("FLASHMOE_METRICS_BRIDGE_DIR")
+
+
+def set_metrics_bridge_dir(path: str) -> None:
+    """Hand the bridge directory to the processes this one spawns (vLLM's engine core and workers)."""
+    os.environ["FLASHMOE_METRICS_BRIDGE_DIR"] = path
+
+
+def sglang_fallback() -> str | None:
+    return _optional("FLASHMOE_SGLANG_FALLBACK")
+
+
+def set_sglang_fallback(reason: str | None) -> None:
+    """Hand the launcher's fallback decision to the scheduler processes it spawns (None clears it)."""
+    if reason is None:
+        os.environ.pop("FLASHMOE_SGLANG_FALLBACK", None)
+    else:
+        os.environ["FLASHMOE_SGLANG_FALLBACK"] = reason
+
+
 def env_table_markdown() -> str:
+    """The README's configuration table."""
     rows = ["| variable | default | meaning |", "| --- | --- | --- |"]
     rows += [f"| `{v.name}` | `{v.default}` | {v.help} |" for v in ENV_VARS]
     return "\n".join(rows)

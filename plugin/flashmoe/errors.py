@@ -10,7 +10,8 @@ class FlashMoEBuildError(FlashMoEError):
 
 
 class FlashMoETimeoutError(FlashMoEError):
-    """A spin-wait inside the kernel expired; the message names rank, peer, phase and expert."""
+    """A spin-wait inside the kernel expired; the message names the rank, the peer (or barrier) it waited for,
+    the phase, the call and the block."""
 
 
 class FlashMoEUnsupported(FlashMoEError):

@@ -11,12 +11,13 @@ backend inside vLLM and SGLang. ``backend`` and ``reason`` say which and why.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
 import torch
 
-from . import metrics
+from . import config, metrics
 from .backend import MEGAKERNEL, REFERENCE, select_backend
 from .placement import ExpertPlacement
 from .reference import check_inputs, moe_reference_distributed
@@ -38,9 +39,11 @@ class FlashMoE:
         quantized: bool = False,
     ):
         """``group``: the EP process group (NCCL on GPU, gloo on CPU; None = WORLD when initialised).
-        ``cpu_group``: a gloo group over the same ranks for NVSHMEM's bootstrap (defaults to ``group``)."""
+        ``cpu_group``: a gloo group over the same ranks for NVSHMEM's bootstrap (defaults to ``group``).
+        ``spec.max_tokens_per_rank`` is replaced by FLASHMOE_MAX_TOKENS when that is set."""
         import torch.distributed as dist
 
+        spec = dataclasses.replace(spec, max_tokens_per_rank=config.max_tokens_per_rank(spec.max_tokens_per_rank))
         self.spec = spec
         self.placement = placement
         self.group = group
@@ -62,6 +65,9 @@ class FlashMoE:
             from .megakernel import MegaKernelLayer
 
             self._kernel = MegaKernelLayer(spec, placement, self.rank, self.world_size, self.group, self.cpu_group, device, self.layer_id)
+            # After every megakernel layer: an earlier layer's buffers may have just been grown (replaced).
+            buf = self._kernel.buffers
+            metrics.attach_device_source(buf.metrics_ring, buf.metrics_totals)
 
     def __call__(self, hidden_states, topk_ids, topk_weights, w13, w2, out=None) -> torch.Tensor:
         return self.forward(hidden_states, topk_ids, topk_weights, w13, w2, out=out)

@@ -13,22 +13,20 @@ import logging
 import torch
 
 from . import buffers as _buffers
-from . import jit
-from .config import env_flag, env_int
-from .contract import MAX_LAYERS, PHASES, STATUS_FIELDS, STATUS_OK, Capacity, RuntimeArgs
-from .errors import FlashMoEError, FlashMoETimeoutError
+from . import build, config
+from .contract import PHASES, STATUS_FIELDS, STATUS_OK, Capacity, RuntimeArgs
+from .errors import FlashMoETimeoutError
 from .placement import ExpertPlacement
 from .spec import MoELayerSpec
 
 logger = logging.getLogger("flashmoe")
 
 def _capacity(spec: MoELayerSpec, world: int, max_local: int, num_blocks: int) -> Capacity:
-    max_tokens = env_int("FLASHMOE_MAX_TOKENS") or spec.max_tokens_per_rank
-    return Capacity(max_tokens, spec.hidden_size, spec.intermediate_size, spec.top_k, world, max_local, num_blocks)
+    return Capacity(spec.max_tokens_per_rank, spec.hidden_size, spec.intermediate_size, spec.top_k, world, max_local, num_blocks)
 
 
 def _ops():
-    return jit.load()
+    return build.load()
 
 
 def reserve(max_tokens_per_rank: int, hidden: int, intermediate: int, top_k: int, num_experts: int, group=None,
@@ -40,7 +38,7 @@ def reserve(max_tokens_per_rank: int, hidden: int, intermediate: int, top_k: int
     rank = dist.get_rank(group) if dist.is_initialized() else 0
     device = device or torch.device("cuda", torch.cuda.current_device())
     ops = _ops()
-    spec = MoELayerSpec(num_experts, top_k, hidden, intermediate, max_tokens_per_rank)
+    spec = MoELayerSpec(num_experts, top_k, hidden, intermediate, config.max_tokens_per_rank(max_tokens_per_rank))
     max_local = -(-num_experts // world)
     return _buffers.ensure(ops, _capacity(spec, world, max_local, _buffers.default_num_blocks(ops, device)), rank, world, group, device)
 
@@ -55,14 +53,12 @@ class MegaKernelLayer:
         _buffers.ensure(self.ops, cap, rank, world, cpu_group if cpu_group is not None else group, device)
         self.expert_rank = placement.expert_rank.to(device)
         self.expert_local = placement.expert_local.to(device)
-        self.force_put = env_flag("FLASHMOE_FORCE_PUT")
-        self.timeout_ns = env_int("FLASHMOE_TIMEOUT_MS") * 1_000_000
-        self.metrics = env_flag("FLASHMOE_METRICS")
+        self.force_put = config.force_put()
+        self.timeout_ns = config.timeout_ms() * 1_000_000
+        self.metrics = config.metrics_enabled()
         self.runtime = RuntimeArgs(rank=rank, world=world, num_experts=spec.num_experts, force_put=int(self.force_put),
                                    layer_id=layer_id, metrics=int(self.metrics), num_blocks=self.num_blocks,
                                    timeout_ns=self.timeout_ns)
-        if layer_id >= MAX_LAYERS:
-            raise FlashMoEError(f"at most {MAX_LAYERS} flashmoe layers per process")
 
     @property
     def buffers(self) -> _buffers.SymmetricBuffers:
@@ -101,7 +97,7 @@ def describe_status(status: torch.Tensor) -> str | None:
     return (
         f"flashmoe: rank {rank} timed out waiting for the {what} from {who} "
         f"(call #{epoch}, last value {observed & 0xFFFFFFFFFFFFFFFF:#x}, block {block}, "
-        f"FLASHMOE_TIMEOUT_MS={env_int('FLASHMOE_TIMEOUT_MS')}); a rank of the EP group did not launch the layer or "
+        f"FLASHMOE_TIMEOUT_MS={config.timeout_ms()}); a rank of the EP group did not launch the layer or "
         f"died. This process's flashmoe state is no longer usable."
     )
 

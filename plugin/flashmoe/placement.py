@@ -52,7 +52,7 @@ class ExpertPlacement:
 
     @classmethod
     def contiguous(cls, num_experts: int, world_size: int) -> ExpertPlacement:
-        """Rank r owns a contiguous block; the first ``E % world`` ranks get one extra (vLLM 'linear')."""
+        """Rank r owns a contiguous block; the first ``E % world_size`` ranks get one extra (vLLM 'linear')."""
         if num_experts < world_size:
             raise ValueError(f"{num_experts} experts cannot be spread over {world_size} ranks")
         base, extra = divmod(num_experts, world_size)

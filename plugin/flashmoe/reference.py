@@ -185,10 +185,10 @@ def moe_reference_distributed(
     """
     import torch.distributed as dist
 
-    world = dist.get_world_size(group)
+    world_size = dist.get_world_size(group)
     rank = dist.get_rank(group)
-    if placement.world_size != world:
-        raise ValueError(f"placement is for {placement.world_size} ranks but the group has {world}")
+    if placement.world_size != world_size:
+        raise ValueError(f"placement is for {placement.world_size} ranks but the group has {world_size}")
     check_inputs(hidden_states, topk_ids, topk_weights, w13, w2, placement, rank)
     x = hidden_states
     dev = x.device
@@ -204,10 +204,10 @@ def moe_reference_distributed(
     # Token rows per destination (deduplicated), grouped by destination, ascending token order.
     hit_t, hit_j = torch.nonzero(valid, as_tuple=True)  # token-major, ascending j
     hit_dest = dest[hit_t, hit_j]
-    onehot = torch.zeros(T, world, dtype=torch.bool, device=dev)
+    onehot = torch.zeros(T, world_size, dtype=torch.bool, device=dev)
     onehot[hit_t, hit_dest] = True
     send_dest, send_tok = torch.nonzero(onehot.t(), as_tuple=True)  # sorted by dest then token
-    row_counts = torch.bincount(send_dest, minlength=world)
+    row_counts = torch.bincount(send_dest, minlength=world_size)
     # Per sent row: ids masked to the destination's experts (as local ids, -1 elsewhere).
     send_ids = torch.where(dest[send_tok] == send_dest[:, None], expert_local[safe_ids[send_tok]], torch.full_like(safe_ids[send_tok], -1).int())
     send_ids = send_ids.to(torch.int32)
@@ -225,9 +225,9 @@ def moe_reference_distributed(
     y = _expert_outputs(recv_x[r_rows], r_local, w13, w2, torch.float32, round_dtype).to(x.dtype)
 
     # Send results back: per source rank, its rows' hits in the order it sent them.
-    src_of_row = torch.repeat_interleave(torch.arange(world, device=dev), recv_row_counts)
-    back_counts = torch.bincount(src_of_row[r_rows], minlength=world)
-    expect_counts = torch.bincount(hit_dest, minlength=world)
+    src_of_row = torch.repeat_interleave(torch.arange(world_size, device=dev), recv_row_counts)
+    back_counts = torch.bincount(src_of_row[r_rows], minlength=world_size)
+    expect_counts = torch.bincount(hit_dest, minlength=world_size)
     y_back = _all_to_all(y, back_counts, expect_counts, group)
 
     # Hits came back grouped by destination, within it by (token, j): scatter to [T, k].

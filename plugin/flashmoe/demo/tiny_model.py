@@ -1,6 +1,6 @@
 """A tiny Qwen3-MoE checkpoint and tokenizer made locally (no hub access), for tests and the demo.
 
-    python -m flashmoe.tiny_model /tmp/tiny-qwen3-moe
+    python -m flashmoe.demo.tiny_model /tmp/tiny-qwen3-moe
 
 Same architecture as Qwen3-30B-A3B (``Qwen3MoeForCausalLM``: every layer sparse, top-k routing
 without renormalisation, SwiGLU experts), shrunk to 2 layers of 8 experts, top-2, hidden 128,
@@ -251,7 +251,7 @@ def greedy_reference(path: str | Path, prompts: list[str], max_tokens: int, dtyp
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m flashmoe.demo.tiny_model", description=__doc__.splitlines()[0])
     ap.add_argument("path", help="output directory")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(

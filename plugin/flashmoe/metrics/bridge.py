@@ -27,11 +27,10 @@ import re
 import shutil
 import tempfile
 
-from .config import env, env_int
+from .. import config
 
 logger = logging.getLogger("flashmoe")
 
-BRIDGE_ENV = "FLASHMOE_METRICS_BRIDGE_DIR"
 _FILE_RE = re.compile(r"^flashmoe-(\d+)\.prom$")
 _SUMMED_TYPES = ("counter", "histogram", "summary", "unknown", "untyped")
 
@@ -51,12 +50,12 @@ def install_consumer(registry=None) -> str | None:
     global _consumer_dir
     if _consumer_dir is not None:
         return _consumer_dir
-    if multiprocess_dir() is not None or env(BRIDGE_ENV):
+    if multiprocess_dir() is not None or config.metrics_bridge_dir():
         return None
     import prometheus_client
 
     path = tempfile.mkdtemp(prefix="flashmoe-metrics-")
-    os.environ[BRIDGE_ENV] = path
+    config.set_metrics_bridge_dir(path)
     (registry if registry is not None else prometheus_client.REGISTRY).register(WorkerFilesCollector(path))
     atexit.register(shutil.rmtree, path, True)
     _consumer_dir = path
@@ -68,9 +67,9 @@ def producer_path() -> str | None:
     """Where this process should write its metrics, or None when it need not."""
     if multiprocess_dir() is not None:
         return None
-    if env_int("FLASHMOE_METRICS_PORT") > 0:
+    if config.metrics_port() > 0:
         return None  # the per-rank exporter serves these series; bridging them too would double-count
-    path = env(BRIDGE_ENV)
+    path = config.metrics_bridge_dir()
     if not path or path == _consumer_dir:
         return None  # not spawned under a consumer, or we are the consumer (metrics already in REGISTRY)
     return os.path.join(path, f"flashmoe-{os.getpid()}.prom")
