@@ -195,7 +195,7 @@ def _check_against_spec(spec, T: int, H: int, k: int, I: int, dtype: torch.dtype
     if k != spec.top_k:
         raise ValueError(f"topk_ids has k={k}, the layer's top_k is {spec.top_k}")
     if I != spec.intermediate_size:
-        raise ValueError(f"w2 has I={I}, the layer's intermediate_size is {spec.intermediate_size}")
+        raise ValueError(f"w13/w2 have I={I}, the layer's intermediate_size is {spec.intermediate_size}")
     if dtype != spec.dtype:
         raise ValueError(f"hidden_states dtype {dtype} differs from the layer's dtype {spec.dtype}")
     if T > spec.max_tokens_per_rank:
