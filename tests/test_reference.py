@@ -367,8 +367,8 @@ BAD_INPUTS = [
     ("w2_wrong_inter", lambda a: a.update(w2=a["w2"][:, :, :32]), r"w2 shape .* implied by w13"),
     ("w2_wrong_experts", lambda a: a.update(w2=a["w2"][:-1]), "w2 shape"),
     ("w2_transposed", lambda a: a.update(w2=a["w2"].transpose(1, 2)), "w2 shape"),
-    ("weights_fp32", lambda a: a.update(w13=a["w13"].float(), w2=a["w2"].float()), "weights dtype"),
-    ("too_few_experts", lambda a: a.update(w13=a["w13"][:-1], w2=a["w2"][:-1]), "placement gives it 8"),
+    ("weights_fp32", lambda a: a.update(w13=a["w13"].float(), w2=a["w2"].float()), "w13/w2 dtype"),
+    ("too_few_experts", lambda a: a.update(w13=a["w13"][:-1], w2=a["w2"][:-1]), "placement gives rank 0 8"),
 ]
 
 
@@ -413,16 +413,16 @@ def test_reference_refuses_multi_rank_placement():
 
 
 @pytest.mark.parametrize(
-    "kwargs,match",
+    "kwargs,error,match",
     [
-        ({"num_experts": 0}, "num_experts must be a positive int"),
-        ({"top_k": 9}, "top_k=9 exceeds num_experts=8"),
-        ({"hidden_size": -128}, "hidden_size"),
-        ({"intermediate_size": 64.0}, "intermediate_size"),
-        ({"max_tokens_per_rank": 0}, "max_tokens_per_rank"),
+        ({"num_experts": 0}, ValueError, "num_experts must be a positive int"),
+        ({"top_k": 9}, ValueError, "top_k=9 exceeds num_experts=8"),
+        ({"hidden_size": -128}, ValueError, "hidden_size"),
+        ({"intermediate_size": 64.0}, TypeError, "intermediate_size"),
+        ({"max_tokens_per_rank": 0}, ValueError, "max_tokens_per_rank"),
     ],
 )
-def test_layer_spec_validation(kwargs, match):
+def test_layer_spec_validation(kwargs, error, match):
     base = {
         "num_experts": 8,
         "top_k": 2,
@@ -430,7 +430,7 @@ def test_layer_spec_validation(kwargs, match):
         "intermediate_size": 64,
         "max_tokens_per_rank": 16,
     }
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(error, match=match):
         MoELayerSpec(**{**base, **kwargs})
 
 

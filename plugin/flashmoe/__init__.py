@@ -1,11 +1,10 @@
 """flashmoe: a megakernel expert-parallel MoE backend for vLLM and SGLang.
 
-Engine-agnostic API::
+Engine-agnostic API (a complete example: README.md, "Direct use"; the tensor contract: flashmoe.validation)::
 
-    from flashmoe import FlashMoE, MoELayerSpec, ExpertPlacement
-    moe = FlashMoE(MoELayerSpec(num_experts=128, top_k=8, hidden_size=2048, intermediate_size=768,
-                                max_tokens_per_rank=8192), ExpertPlacement.contiguous(128, world_size), ep_group)
-    out = moe(hidden_states, topk_ids, topk_weights, w13, w2)
+    moe = FlashMoE(MoELayerSpec(num_experts, top_k, hidden_size, intermediate_size, max_tokens_per_rank),
+                   ExpertPlacement.contiguous(num_experts, world_size), ep_group)
+    out = moe(hidden_states, topk_ids, topk_weights, w13, w2)   # [T, H], combined across the EP group
 
 Importing flashmoe is cheap: no CUDA work, no compilation, no prometheus_client import.
 """

@@ -17,10 +17,10 @@ import time
 
 import torch
 
-from . import config, metrics
+from . import config, metrics, validation
 from .backend import MEGAKERNEL, REFERENCE, select_backend
 from .placement import ExpertPlacement
-from .reference import check_inputs, moe_reference_distributed
+from .reference import moe_reference_distributed
 from .spec import MoELayerSpec
 
 logger = logging.getLogger("flashmoe")
@@ -52,10 +52,11 @@ class FlashMoE:
         distributed = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size(group) if distributed else 1
         self.rank = dist.get_rank(group) if distributed else 0
-        if placement.world_size != self.world_size:
-            raise ValueError(f"placement is for {placement.world_size} ranks, EP group has {self.world_size}")
+        validation.check_layer(spec, placement, self.world_size)
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        if device.type == "cuda" and device.index is None:  # compared with the tensors' devices, which carry one
+            device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         choice = select_backend(spec, device, self.world_size, quantized)
         self.backend, self.reason = choice.name, choice.reason
@@ -75,17 +76,12 @@ class FlashMoE:
     def forward(self, hidden_states, topk_ids, topk_weights, w13, w2, out: torch.Tensor | None = None) -> torch.Tensor:
         """``out`` (optional, [T, H], input dtype, same device): written in full and returned."""
         on_gpu = self._kernel is not None
-        check_inputs(hidden_states, topk_ids, topk_weights, w13, w2, self.placement, self.rank, check_values=not on_gpu)
-        if out is not None and (out.shape != hidden_states.shape or out.dtype != hidden_states.dtype or out.device != hidden_states.device):
-            raise ValueError(f"out must be {tuple(hidden_states.shape)} {hidden_states.dtype} on {hidden_states.device}")
-        if hidden_states.shape[0] > self.spec.max_tokens_per_rank:
-            raise ValueError(
-                f"{hidden_states.shape[0]} tokens exceed max_tokens_per_rank={self.spec.max_tokens_per_rank} this layer was sized for"
-            )
+        # One set of checks for both backends; the GPU path skips only the id range (it would need a sync).
+        validation.check_call(
+            hidden_states, topk_ids, topk_weights, w13, w2, self.placement, self.rank, spec=self.spec, out=out,
+            check_ids=not on_gpu, device=self.device if on_gpu else None, contiguous=on_gpu,
+        )
         if on_gpu:
-            if not (hidden_states.is_contiguous() and topk_ids.is_contiguous() and topk_weights.is_contiguous()
-                    and w13.is_contiguous() and w2.is_contiguous()):
-                raise ValueError("the megakernel needs contiguous hidden_states, topk_ids, topk_weights, w13 and w2")
             return self._kernel.forward(hidden_states, topk_ids, topk_weights, w13, w2, out)
         t0 = time.perf_counter()
         if self.world_size == 1:

@@ -68,14 +68,7 @@ class MegaKernelLayer:
 
     def forward(self, x, topk_ids, topk_weights, w13, w2, out=None) -> torch.Tensor:
         check_status(self.buffers)
-        # FlashMoE.forward ran check_inputs (dtypes, shape consistency, E_local); what remains is the spec the
-        # buffers were sized for.
-        s = self.spec
-        if (x.shape[1], topk_ids.shape[1], w2.shape[2]) != (s.hidden_size, s.top_k, s.intermediate_size):
-            raise ValueError(
-                f"hidden_states {tuple(x.shape)}, topk_ids {tuple(topk_ids.shape)}, w2 {tuple(w2.shape)} do not match "
-                f"the layer's H={s.hidden_size}, k={s.top_k}, I={s.intermediate_size}"
-            )
+        # FlashMoE.forward ran flashmoe.validation.check_call (shapes against the spec, dtypes, devices, contiguity).
         if out is None:
             out = torch.empty_like(x)
         b = self.buffers

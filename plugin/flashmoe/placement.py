@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .validation import check_placement, check_positive_int
+
 
 @dataclass(frozen=True)
 class ExpertPlacement:
@@ -19,20 +21,7 @@ class ExpertPlacement:
     world_size: int
 
     def __post_init__(self):
-        r, loc = self.expert_rank, self.expert_local
-        if r.dim() != 1 or loc.shape != r.shape:
-            raise ValueError(f"placement tensors must be 1-D of equal length, got {tuple(r.shape)} and {tuple(loc.shape)}")
-        if r.dtype != torch.int32 or loc.dtype != torch.int32:
-            raise ValueError("placement tensors must be int32")
-        if r.numel() == 0:
-            raise ValueError("placement has no experts")
-        if int(r.min()) < 0 or int(r.max()) >= self.world_size:
-            raise ValueError(f"expert_rank values must be in [0, {self.world_size}), got [{int(r.min())}, {int(r.max())}]")
-        # Each rank's local indices must be exactly 0..n_r-1 (a dense w13/w2 per rank).
-        for rank in range(self.world_size):
-            idx = loc[r == rank]
-            if idx.numel() and not torch.equal(torch.sort(idx).values, torch.arange(idx.numel(), dtype=torch.int32)):
-                raise ValueError(f"rank {rank}: local expert indices must be a permutation of 0..{idx.numel() - 1}")
+        check_placement(self)
 
     @property
     def num_experts(self) -> int:
@@ -53,6 +42,8 @@ class ExpertPlacement:
     @classmethod
     def contiguous(cls, num_experts: int, world_size: int) -> ExpertPlacement:
         """Rank r owns a contiguous block; the first ``E % world_size`` ranks get one extra (vLLM 'linear')."""
+        check_positive_int("num_experts", num_experts)
+        check_positive_int("world_size", world_size)
         if num_experts < world_size:
             raise ValueError(f"{num_experts} experts cannot be spread over {world_size} ranks")
         base, extra = divmod(num_experts, world_size)
@@ -63,6 +54,8 @@ class ExpertPlacement:
 
     @classmethod
     def round_robin(cls, num_experts: int, world_size: int) -> ExpertPlacement:
+        check_positive_int("num_experts", num_experts)
+        check_positive_int("world_size", world_size)
         e = torch.arange(num_experts, dtype=torch.int32)
         return cls(e % world_size, e // world_size, world_size)
 

@@ -5,6 +5,10 @@ One MoE layer call on one rank of an expert-parallel group::
     out[t] = sum_j  topk_weights[t, j] * expert_{topk_ids[t, j]}(hidden_states[t])        (j with id >= 0)
     expert_e(x) = w2[e] @ (silu(w13[e][:I] @ x) * (w13[e][I:] @ x))                         (SwiGLU)
 
+The sum runs over slots, not distinct experts: an id that appears twice in a row counts twice, each
+time with its own weight. ``-1`` marks an empty slot. The tensor contract, id rules and every input
+check are in :mod:`flashmoe.validation`, which all backends call before computing.
+
 ``w13`` is the engine's fused gate/up weight ``[E_local, 2I, H]`` with the gate rows first (vLLM
 loads ``gate_proj`` into shard 0 and ``up_proj`` into shard 1, and ``silu_and_mul`` takes
 ``silu(x[:I]) * x[I:]``); ``w2`` is ``[E_local, H, I]``.
@@ -25,57 +29,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import validation
 from .placement import ExpertPlacement
-
-SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-def check_inputs(
-    hidden_states: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    placement: ExpertPlacement,
-    rank: int,
-    check_values: bool = True,
-) -> None:
-    """Validate one call's inputs; raise ValueError naming the offending argument.
-
-    ``check_values=False`` skips the id range check, the only one that reads device memory (a host sync;
-    the GPU path runs without it so it stays graph-capturable, and the kernel skips out-of-range ids)."""
-    if hidden_states.dim() != 2:
-        raise ValueError(f"hidden_states must be [T, H], got shape {tuple(hidden_states.shape)}")
-    if hidden_states.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"hidden_states dtype {hidden_states.dtype} not supported (use one of {SUPPORTED_DTYPES})")
-    T, H = hidden_states.shape
-    if topk_ids.dim() != 2 or topk_ids.shape[0] != T:
-        raise ValueError(f"topk_ids must be [T={T}, k], got {tuple(topk_ids.shape)}")
-    if topk_ids.dtype != torch.int32:
-        raise ValueError(f"topk_ids must be int32, got {topk_ids.dtype}")
-    if topk_weights.shape != topk_ids.shape:
-        raise ValueError(f"topk_weights shape {tuple(topk_weights.shape)} != topk_ids shape {tuple(topk_ids.shape)}")
-    if topk_weights.dtype != torch.float32:
-        raise ValueError(f"topk_weights must be float32, got {topk_weights.dtype}")
-    if w13.dim() != 3 or w2.dim() != 3:
-        raise ValueError(f"w13 must be [E_local, 2I, H] and w2 [E_local, H, I], got {tuple(w13.shape)} and {tuple(w2.shape)}")
-    E_local, two_i, h13 = w13.shape
-    if h13 != H or two_i % 2:
-        raise ValueError(f"w13 shape {tuple(w13.shape)} does not fit hidden size {H} (expected [E_local, 2I, {H}])")
-    I = two_i // 2
-    if tuple(w2.shape) != (E_local, H, I):
-        raise ValueError(f"w2 shape {tuple(w2.shape)} != (E_local={E_local}, H={H}, I={I}) implied by w13")
-    if w13.dtype != hidden_states.dtype or w2.dtype != hidden_states.dtype:
-        raise ValueError(f"weights dtype ({w13.dtype}, {w2.dtype}) must equal hidden_states dtype {hidden_states.dtype}")
-    if E_local != placement.num_local(rank):
-        raise ValueError(f"rank {rank} holds {E_local} experts in w13 but the placement gives it {placement.num_local(rank)}")
-    for name, t in (("hidden_states", hidden_states), ("topk_ids", topk_ids), ("topk_weights", topk_weights), ("w13", w13), ("w2", w2)):
-        if t.device != hidden_states.device:
-            raise ValueError(f"{name} is on {t.device}, hidden_states on {hidden_states.device}")
-    if check_values and topk_ids.numel():
-        lo, hi = int(topk_ids.min()), int(topk_ids.max())
-        if lo < -1 or hi >= placement.num_experts:
-            raise ValueError(f"topk_ids values must be in [-1, {placement.num_experts}), got [{lo}, {hi}]")
 
 
 def swiglu_expert(x: torch.Tensor, w13_e: torch.Tensor, w2_e: torch.Tensor, round_dtype: torch.dtype | None) -> torch.Tensor:
@@ -127,11 +82,12 @@ def moe_reference(
     rank: int = 0,
 ) -> torch.Tensor:
     """Single-process reference: ``w13``/``w2`` hold every expert (one rank owns all)."""
+    validation.require_tensor("w13", w13)
     if placement is None:
         placement = ExpertPlacement.contiguous(w13.shape[0], 1)
     if placement.world_size != 1:
         raise ValueError("moe_reference computes a whole layer on one rank; use moe_reference_distributed for EP groups")
-    check_inputs(hidden_states, topk_ids, topk_weights, w13, w2, placement, rank)
+    validation.check_call(hidden_states, topk_ids, topk_weights, w13, w2, placement, rank)
     return _reference_impl(hidden_states, topk_ids, topk_weights, w13, w2, placement, torch.float32, hidden_states.dtype)
 
 
@@ -144,9 +100,10 @@ def moe_oracle_fp64(
     placement: ExpertPlacement | None = None,
 ) -> torch.Tensor:
     """The same function in float64 with no intermediate rounding (returns float64)."""
+    validation.require_tensor("w13", w13)
     if placement is None:
         placement = ExpertPlacement.contiguous(w13.shape[0], 1)
-    check_inputs(hidden_states, topk_ids, topk_weights, w13, w2, placement, 0)
+    validation.check_call(hidden_states, topk_ids, topk_weights, w13, w2, placement, 0)
     return _reference_impl(hidden_states, topk_ids, topk_weights, w13, w2, placement, torch.float64, torch.float64, rounding=False)
 
 
@@ -189,7 +146,7 @@ def moe_reference_distributed(
     rank = dist.get_rank(group)
     if placement.world_size != world_size:
         raise ValueError(f"placement is for {placement.world_size} ranks but the group has {world_size}")
-    check_inputs(hidden_states, topk_ids, topk_weights, w13, w2, placement, rank)
+    validation.check_call(hidden_states, topk_ids, topk_weights, w13, w2, placement, rank)
     x = hidden_states
     dev = x.device
     T, k = topk_ids.shape

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .validation import check_spec
+
 
 @dataclass(frozen=True)
 class MoELayerSpec:
@@ -17,9 +19,4 @@ class MoELayerSpec:
     dtype: torch.dtype = torch.bfloat16
 
     def __post_init__(self):
-        for name in ("num_experts", "top_k", "hidden_size", "intermediate_size", "max_tokens_per_rank"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v <= 0:
-                raise ValueError(f"MoELayerSpec.{name} must be a positive int, got {v!r}")
-        if self.top_k > self.num_experts:
-            raise ValueError(f"top_k={self.top_k} exceeds num_experts={self.num_experts}")
+        check_spec(self)
