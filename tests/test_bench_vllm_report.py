@@ -66,3 +66,30 @@ def test_report_merges_compares_plots_and_writes_the_readme_section(tmp_path):
     # Regenerating replaces the section instead of appending a second one.
     assert report.main([*files, "--json", str(out), "--readme", str(readme)]) == 0
     assert readme.read_text().count(report.BEGIN_MARK) == 1
+
+
+def test_report_reads_vllm_bench_serve_levels_next_to_older_runs(tmp_path):
+    old = _run("vllm_dp4_ep", 100.0, 20.0, [[1, 2]])
+    new = _run("flashmoe_dp4_ep", 130.0, 10.0, [[1, 2]])
+    new["method"] = "vllm bench serve (...)"
+    for t in new["throughput"]:  # what vllm_serve_gpu.summarize writes
+        t.update(
+            tpot_p99_ms=14.0,
+            ttft_median_ms=90.0,
+            ttft_p99_ms=300.0,
+            spread={"output_tok_per_s": [t["output_tok_per_s"] * 0.9, t["output_tok_per_s"] * 1.1]},
+        )
+    files = []
+    for run in (old, new):
+        f = tmp_path / f"vllm_{run['run']}.json"
+        f.write_text(json.dumps(run))
+        files.append(str(f))
+    readme = tmp_path / "README.md"
+    readme.write_text("x\n")
+    out = tmp_path / "serve.json"
+    assert report.main([*files, "--json", str(out), "--readme", str(readme)]) == 0
+    text = readme.read_text()
+    assert "TPOT p99 ms · TTFT median / p99 ms" in text
+    assert "| flashmoe_dp4_ep | 117–143 · 14.0 · 90 / 300 | 7488–9152 · 14.0 · 90 / 300 |" in text
+    assert "| vllm_dp4_ep |" in text.split("TPOT p99")[0]  # the older run is in the main table only
+    assert "c=1: 2.00×" in text  # decode ratio from the median TPOT, as before

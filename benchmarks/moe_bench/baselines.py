@@ -12,7 +12,9 @@ ones included.
   its own experts on the (token, expert) pairs that hit them with the weight applied in the GEMM
   output (as fused_moe), sums over k, and a reduce-scatter returns each rank its tokens.
 * :func:`compute_only` — the grouped SwiGLU GEMMs alone on rows already grouped by expert: the
-  expert work of one rank with no communication.
+  expert work of one rank with no communication (at world 1 the very rows of the layer's tokens).
+
+vLLM's own kernels (all-gather -> Triton ``fused_experts`` -> reduce-scatter) are in :mod:`.vllm_fused`.
 """
 
 from __future__ import annotations
@@ -135,6 +137,15 @@ class ExpertRows:
         n = int(sizes.sum())
         x = torch.randn(n, hidden, generator=gen, device=sizes.device, dtype=dtype)
         return ExpertRows(x, group_offsets(sizes), sizes.tolist())
+
+    @staticmethod
+    def of_tokens(x: torch.Tensor, topk_ids: torch.Tensor, num_local: int) -> ExpertRows:
+        """The rows a single rank's experts compute for these tokens (world 1: every expert is local,
+        expert e at index e): each (token, expert) pair's token row, grouped by expert."""
+        flat = topk_ids.reshape(-1).long()
+        order = torch.argsort(flat, stable=True)
+        sizes = torch.bincount(flat, minlength=num_local)
+        return ExpertRows(x.index_select(0, order // topk_ids.shape[1]), group_offsets(sizes), sizes.tolist())
 
 
 def compute_only(rows: ExpertRows, w13, w2, swiglu: GroupedSwiGLU) -> torch.Tensor:

@@ -42,11 +42,15 @@ ROW_FIELDS = (
     "world_size",
     "tokens_per_rank",
     "routing",  # uniform | zipf
-    "variant",  # flashmoe | all_to_all | allgather_rs | compute_only
-    "backend",  # flashmoe: megakernel | reference; others: the grouped GEMM that ran
+    "variant",  # flashmoe | all_to_all | allgather_rs | vllm_fused | compute_only
+    "mode",  # flushed (one layer, L2 flushed before each call) | serving (graph of L layers, no flush)
+    "layers",  # layers per timed step (1 when flushed); latencies are per layer
+    "graph",  # the timed step was a CUDA graph replay
+    "backend",  # flashmoe: megakernel | reference; others: the grouped GEMM / kernel that ran
     "status",  # ok | wrong | unavailable | error
-    "latency_us",  # max over ranks of each rank's median call time
-    "latency_p10_us",  # 10th / 90th percentile of the slowest rank's calls
+    "latency_us",  # max over ranks of each rank's median call time (= latency_p50_us)
+    "latency_p10_us",  # 10th / 50th / 90th percentile of the slowest rank's calls
+    "latency_p50_us",
     "latency_p90_us",
     "latency_per_rank_us",  # every rank's median
     "iters",  # timed calls per rank
@@ -63,14 +67,30 @@ ROW_FIELDS = (
     "check_rel_l2",  # ||out - ref|| / ||ref|| on input set 0 (None if unchecked)
     "check_max_rel",  # max |out - ref| / max |ref|
     "load_imbalance",  # max / mean expert rows over ranks
+    "gemm_rows",  # (token, expert) pairs of the busiest rank per layer (mean over sets and layers)
+    "tflops",  # achieved 6 · gemm_rows · H · I / latency, TFLOP/s
+    "tflops_vs_compute_only",  # tflops / compute_only's tflops in the same case (identical rows at world 1)
     "metrics_on_us",  # flashmoe with --metrics-overhead: interleaved medians with the kernel's
     "metrics_off_us",  # metrics ring on / off (max over ranks)
     "metrics_overhead",  # metrics_on_us / metrics_off_us - 1
     "note",
 )
 
-# Fields added after the first results were committed: absent in older files, read as None.
-LATER_FIELDS = ("metrics_on_us", "metrics_off_us", "metrics_overhead")
+# Fields added after the first results were committed: absent in older files, read as these values
+# (every older row was a flushed single-layer call, its median being its p50).
+LATER_FIELDS = {
+    "metrics_on_us": None,
+    "metrics_off_us": None,
+    "metrics_overhead": None,
+    "mode": "flushed",
+    "layers": 1,
+    "graph": False,
+    "latency_p50_us": None,
+    "gemm_rows": None,
+    "tflops": None,
+    "tflops_vs_compute_only": None,
+}
+MODES = ("flushed", "serving")
 
 NUMERIC_WHEN_OK = (
     "latency_us",
@@ -189,7 +209,7 @@ def new_row(**values) -> dict:
     unknown = set(values) - set(ROW_FIELDS)
     if unknown:
         raise KeyError(f"unknown row fields {sorted(unknown)}")
-    return {f: values.get(f) for f in ROW_FIELDS}
+    return {f: values.get(f, LATER_FIELDS.get(f)) for f in ROW_FIELDS}
 
 
 def validate(doc: dict) -> list[str]:
@@ -217,10 +237,15 @@ def validate(doc: dict) -> list[str]:
             continue
         if row["status"] not in STATUSES:
             errs.append(f"row {i}: status {row['status']!r} not in {STATUSES}")
+        if row.get("mode", "flushed") not in MODES:
+            errs.append(f"row {i}: mode {row['mode']!r} not in {MODES}")
         if row["status"] == "ok":
             for f in NUMERIC_WHEN_OK:
                 if not isinstance(row[f], (int, float)) or row[f] < 0:
                     errs.append(f"row {i}: {f}={row[f]!r} must be a non-negative number when status is ok")
+            pcts = [row.get(f) for f in ("latency_p10_us", "latency_p50_us", "latency_p90_us")]
+            if all(isinstance(p, (int, float)) for p in pcts) and not pcts[0] <= pcts[1] <= pcts[2]:
+                errs.append(f"row {i}: percentiles out of order (p10, p50, p90 = {pcts})")
         elif row["latency_us"] is not None:
             errs.append(f"row {i}: status {row['status']} but latency_us is set")
     return errs
@@ -243,6 +268,8 @@ def load(path: Path) -> dict:
     if errs:
         raise ValueError(f"{path}: not a valid {SCHEMA} document:\n  " + "\n  ".join(errs[:10]))
     for row in doc["rows"]:
-        for f in LATER_FIELDS:
-            row.setdefault(f, None)
+        for f, default in LATER_FIELDS.items():
+            row.setdefault(f, default)
+        if row["latency_p50_us"] is None:
+            row["latency_p50_us"] = row["latency_us"]
     return doc

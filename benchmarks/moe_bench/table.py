@@ -1,23 +1,40 @@
 """Tables from benchmark rows: the plain one layer_bench prints last, and the README's markdown.
 
-Cells read ``latency µs (latency / floor)``; a variant that did not run shows its status.
+Cells read ``p50 µs (p50 / floor)``, in the printed table followed by the spread p90/p10; a variant
+that did not run shows its status. Rows of the two modes (flushed, serving) are tabled separately.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 
-VARIANTS = ("flashmoe", "all_to_all", "allgather_rs", "compute_only")
+VARIANTS = ("flashmoe", "all_to_all", "allgather_rs", "vllm_fused", "compute_only")
+BASELINES = ("all_to_all", "allgather_rs", "vllm_fused")
 DECODE_MAX_TOKENS = 128  # tokens per rank up to here count as decode, from PREFILL_MIN_TOKENS as prefill
 PREFILL_MIN_TOKENS = 512
 
 
-def by_case(rows: list[dict]) -> dict[tuple, dict[str, dict]]:
-    """{(model, routing, tokens_per_rank): {variant: row}} in first-seen order."""
+def mode_of(row: dict) -> str:
+    return row.get("mode") or "flushed"  # files from before serving mode hold flushed rows only
+
+
+def by_case(rows: list[dict], mode: str = "flushed") -> dict[tuple, dict[str, dict]]:
+    """{(model, routing, tokens_per_rank): {variant: row}} of one mode, in first-seen order."""
     cases: dict[tuple, dict[str, dict]] = defaultdict(dict)
     for r in rows:
-        cases[(r["model"], r["routing"], r["tokens_per_rank"])][r["variant"]] = r
+        if mode_of(r) == mode:
+            cases[(r["model"], r["routing"], r["tokens_per_rank"])][r["variant"]] = r
     return cases
+
+
+def modes(rows: list[dict]) -> list[str]:
+    return list(dict.fromkeys(mode_of(r) for r in rows))
+
+
+def spread(row: dict) -> float | None:
+    """p90 / p10 of the slowest rank's calls."""
+    p10, p90 = row.get("latency_p10_us"), row.get("latency_p90_us")
+    return p90 / p10 if p10 and p90 is not None else None
 
 
 def _cell(row: dict | None) -> str:
@@ -35,22 +52,79 @@ def _floor_cell(variants: dict[str, dict]) -> str:
     return f"{any_row['floor_us']:.1f} {any_row['bound']}"
 
 
-def text_table(rows: list[dict]) -> str:
-    cases = by_case(rows)
-    present = [v for v in VARIANTS if any(v in c for c in cases.values())]
-    header = ["model", "routing", "T/rank", "floor us"] + [f"{v} us (x floor)" for v in present]
-    lines = [header]
-    for (model, routing, tokens), variants in cases.items():
-        lines.append(
-            [model, routing, str(tokens), _floor_cell(variants)] + [_cell(variants.get(v)) for v in present]
-        )
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+def _spread_cell(row: dict | None) -> str:
+    cell = _cell(row)
+    s = spread(row) if row and row["status"] == "ok" else None
+    return f"{cell} {s:.2f}" if s is not None else cell
+
+
+def _aligned(lines: list[list[str]], left: int) -> str:
+    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
     return "\n".join(
         "  ".join(
-            c.rjust(w) if i >= 2 else c.ljust(w) for i, (c, w) in enumerate(zip(line, widths, strict=True))
+            c.rjust(w) if i >= left else c.ljust(w) for i, (c, w) in enumerate(zip(line, widths, strict=True))
         )
         for line in lines
     )
+
+
+def text_table(rows: list[dict]) -> str:
+    """One table per mode; cells: p50 µs (x floor) and p90/p10."""
+    parts = []
+    for mode in modes(rows):
+        cases = by_case(rows, mode)
+        present = [v for v in VARIANTS if any(v in c for c in cases.values())]
+        layers = sorted({r["layers"] for c in cases.values() for r in c.values() if r.get("layers")})
+        title = f"{mode}" + (
+            f" (per layer of a {'/'.join(map(str, layers))}-layer step)" if mode == "serving" else ""
+        )
+        header = ["model", "routing", "T/rank", "floor us"] + [
+            f"{v} p50 us (x floor) p90/p10" for v in present
+        ]
+        lines = [header]
+        for (model, routing, tokens), variants in cases.items():
+            lines.append(
+                [model, routing, str(tokens), _floor_cell(variants)]
+                + [_spread_cell(variants.get(v)) for v in present]
+            )
+        parts.append(f"[{title}]\n" + _aligned(lines, 2))
+    compute = compute_text_table(rows)
+    if compute:
+        parts.append(compute)
+    return "\n\n".join(parts)
+
+
+def _tflops(row: dict | None) -> float | None:
+    return row["tflops"] if row and row["status"] == "ok" and row.get("tflops") else None
+
+
+def compute_text_table(rows: list[dict]) -> str:
+    """Achieved TFLOP/s of the expert GEMMs at world 1 (flashmoe's dispatch and combine are local
+    copies there): flashmoe against compute_only on the same rows, per mode and case; empty when no
+    world-1 case has both."""
+    lines = [
+        ["mode", "model", "routing", "T/rank", "rows", "flashmoe TFLOP/s", "compute_only TFLOP/s", "ratio"]
+    ]
+    for mode in modes(rows):
+        for (model, routing, tokens), variants in by_case(rows, mode).items():
+            fm, co = variants.get("flashmoe"), variants.get("compute_only")
+            if _tflops(fm) is None or _tflops(co) is None or fm["world_size"] != 1:
+                continue
+            lines.append(
+                [
+                    mode,
+                    model,
+                    routing,
+                    str(tokens),
+                    f"{fm['gemm_rows']:.0f}",
+                    _rate(fm["tflops"]),
+                    _rate(co["tflops"]),
+                    f"{fm['tflops_vs_compute_only']:.2f}x",
+                ]
+            )
+    if len(lines) == 1:
+        return ""
+    return "[world 1: expert GEMM throughput, 6·rows·H·I flops per layer]\n" + _aligned(lines, 3)
 
 
 def speedup(variants: dict[str, dict], baseline: str) -> float | None:
@@ -60,21 +134,36 @@ def speedup(variants: dict[str, dict], baseline: str) -> float | None:
     return base["latency_us"] / fm["latency_us"]
 
 
-def markdown_table(rows: list[dict], tokens=(1, 128, 4096), routing: str = "uniform") -> str:
+SHORT = {"all_to_all": "a2a", "allgather_rs": "ag-rs", "vllm_fused": "vllm"}
+
+
+def _rate(tflops: float) -> str:
+    return f"{tflops:.1f}" if tflops >= 1 else f"{tflops:.3g}"  # CPU smoke runs reach milli-TFLOP/s
+
+
+def markdown_table(
+    rows: list[dict], tokens=(1, 128, 4096), routing: str = "uniform", mode: str = "flushed"
+) -> str:
+    cases = {c: v for c, v in by_case(rows, mode).items() if c[1] == routing and c[2] in tokens}
+    if not cases:
+        return ""
+    baselines = [b for b in BASELINES if any(b in v for v in cases.values())]
+    if not baselines:
+        baselines = ["all_to_all", "allgather_rs"]
     out = [
-        "| model | T/rank | floor µs (bound) | flashmoe µs (×floor) | all_to_all µs (×floor) | allgather_rs µs (×floor) | compute_only µs | flashmoe speedup vs a2a / ag-rs |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| model | T/rank | floor µs (bound) | flashmoe µs (×floor) | "
+        + " | ".join(f"{b} µs (×floor)" for b in baselines)
+        + " | compute_only µs | flashmoe speedup vs "
+        + " / ".join(SHORT[b] for b in baselines)
+        + " |",
+        "| --- | ---: | ---: | ---: | " + "---: | " * len(baselines) + "---: | ---: |",
     ]
-    for (model, rt, t), variants in by_case(rows).items():
-        if rt != routing or t not in tokens:
-            continue
+    for (model, _, t), variants in cases.items():
         co = variants.get("compute_only")
         co_cell = f"{co['latency_us']:.1f}" if co and co["status"] == "ok" else (co["status"] if co else "-")
-        sp = [speedup(variants, b) for b in ("all_to_all", "allgather_rs")]
+        sp = [speedup(variants, b) for b in baselines]
         sp_cell = " / ".join(f"{s:.2f}×" if s else "-" for s in sp)
-        cells = [
-            _cell(variants.get(v)).replace("x)", "×)") for v in ("flashmoe", "all_to_all", "allgather_rs")
-        ]
+        cells = [_cell(variants.get(v)).replace("x)", "×)") for v in ("flashmoe", *baselines)]
         out.append(
             f"| {model} | {t} | {_floor_cell(variants)} | "
             + " | ".join(cells)
@@ -83,10 +172,28 @@ def markdown_table(rows: list[dict], tokens=(1, 128, 4096), routing: str = "unif
     return "\n".join(out)
 
 
+def compute_markdown_table(rows: list[dict], mode: str = "serving", gemm: str = "torch._grouped_mm") -> str:
+    """Expert GEMM TFLOP/s of flashmoe and compute_only (``gemm``) on the same rows (world-1 runs);
+    empty if none."""
+    out = [
+        f"| model | T/rank | routing | rows | flashmoe TFLOP/s | {gemm} TFLOP/s | flashmoe / {gemm} |",
+        "| --- | ---: | --- | ---: | ---: | ---: | ---: |",
+    ]
+    for (model, routing, t), variants in by_case(rows, mode).items():
+        fm, co = variants.get("flashmoe"), variants.get("compute_only")
+        if _tflops(fm) is None or _tflops(co) is None or fm["world_size"] != 1:
+            continue
+        out.append(
+            f"| {model} | {t} | {routing} | {fm['gemm_rows']:.0f} | {_rate(fm['tflops'])} | {_rate(co['tflops'])} | "
+            f"{fm['tflops_vs_compute_only']:.2f}× |"
+        )
+    return "\n".join(out) if len(out) > 2 else ""
+
+
 def target_lines(rows: list[dict], routing: str = "uniform") -> list[str]:
     """Where flashmoe stands against the issue's targets, per model (worst case over the sizes)."""
     lines = []
-    cases = by_case(rows)
+    cases = by_case(rows, "flushed")
     for model in dict.fromkeys(m for m, _, _ in cases):
         mine = {t: v for (m, rt, t), v in cases.items() if m == model and rt == routing}
         parts = []
@@ -115,7 +222,7 @@ def metrics_overhead_lines(rows: list[dict]) -> list[str]:
         got = sorted(
             (r["metrics_overhead"], r["tokens_per_rank"], r["routing"])
             for r in rows
-            if r["model"] == model and r.get("metrics_overhead") is not None
+            if r["model"] == model and r.get("metrics_overhead") is not None and mode_of(r) == "flushed"
         )
         if got:
             median = got[len(got) // 2][0]
