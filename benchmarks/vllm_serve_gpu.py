@@ -394,7 +394,7 @@ def main() -> int:
         "vllm": vllm.__version__,
         "torch": torch.__version__,
         "argv": sys.argv,
-        "model": "Qwen3-30B-A3B architecture, random N(0, 0.02) weights (flashmoe.tiny_model), bf16",
+        "model": "Qwen3-30B-A3B architecture, random N(0, 0.02) weights (flashmoe.demo.tiny_model), bf16",
         "num_layers": args.num_layers,
         "input_len": args.input_len,
         "output_len": args.output_len,

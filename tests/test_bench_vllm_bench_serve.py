@@ -80,7 +80,7 @@ def test_short_real_run_against_vllm_cpu(tmp_path):
     pytest.importorskip("vllm")
     pytest.importorskip("transformers")
     from flashmoe.demo import VLLMServer
-    from flashmoe.tiny_model import VOCAB_SIZE, make_tiny_qwen3_moe
+    from flashmoe.demo.tiny_model import VOCAB_SIZE, make_tiny_qwen3_moe
 
     model = make_tiny_qwen3_moe(tmp_path / "tiny", seed=0)
     serve.write_word_tokenizer(model, VOCAB_SIZE)  # the tokenizer the GPU runs serve with
