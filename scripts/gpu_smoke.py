@@ -50,10 +50,12 @@ def make_inputs(E, k, H, I, T, routing, seed, device):
 
 
 def make_weights(E, H, I, device):
-    g = torch.Generator(device="cpu").manual_seed(1234 + E + H + I)
-    w13 = (torch.randn(E, 2 * I, H, generator=g) / H**0.5).to(torch.bfloat16)
-    w2 = (torch.randn(E, H, I, generator=g) / I**0.5).to(torch.bfloat16)
-    return w13.to(device), w2.to(device)
+    # On the GPU: the DeepSeek-V3 config is ~7.5 G values, minutes on the CPU. A seeded CUDA generator gives
+    # every rank the same weights (the same Philox stream on every device).
+    g = torch.Generator(device=device).manual_seed(1234 + E + H + I)
+    w13 = (torch.randn(E, 2 * I, H, generator=g, device=device) / H**0.5).to(torch.bfloat16)
+    w2 = (torch.randn(E, H, I, generator=g, device=device) / I**0.5).to(torch.bfloat16)
+    return w13, w2
 
 
 def rel_err(a, b):
