@@ -263,7 +263,8 @@ def test_sources_ship_with_the_package():
     src = jit.source_dir()
     assert (src / "kernel.cu").is_file() and (src / "bindings.cpp").is_file()
     roles = {p.stem for p in (src / "flashmoe").glob("*.cuh")}
-    assert {"scheduler", "subscriber", "processor", "tasks", "layout", "comm", "gemm"} <= roles
+    assert {"scheduler", "subscriber", "moe_layer", "tasks", "layout", "comm", "gemm", "hopper", "metrics"} <= roles
+    assert (src / "flashmoe" / "contract.h").is_file()
 
 
 def test_unknown_flashmoe_variable_is_rejected():
