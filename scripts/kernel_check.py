@@ -198,6 +198,35 @@ def graph_times(fn, replays: int) -> list[float]:
     return times
 
 
+def phase_breakdown(layer_id: int) -> dict[str, float]:
+    """Median time (us) of each phase over this layer's complete records in the metrics ring (phase ends are
+    the last block's; 'combine' runs to the kernel's end)."""
+    from flashmoe import contract as c
+    from flashmoe import megakernel
+
+    ring = megakernel.device_metrics()[0].cpu()
+    mine = ring[
+        (ring[:, c.RING_LAYER_ID] == layer_id)
+        & (ring[:, c.RING_SEQ] > 0)
+        & (ring[:, c.RING_BLOCKS_DONE] == ring[:, c.RING_NUM_BLOCKS])
+    ]
+    marks = [
+        c.RING_START_NS,
+        c.RING_DISPATCH_END_NS,
+        c.RING_RECEIVE_END_NS,
+        c.RING_GEMM0_END_NS,
+        c.RING_GEMM1_END_NS,
+        c.RING_END_NS,
+    ]
+    names = ["dispatch", "receive", "gemm0", "gemm1", "combine"]
+    if mine.shape[0] == 0:
+        return {}
+    return {
+        n: float((mine[:, b] - mine[:, a]).double().median()) / 1e3
+        for n, a, b in zip(names, marks[:-1], marks[1:], strict=True)
+    }
+
+
 def pct(xs, q):
     xs = sorted(xs)
     return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
@@ -234,6 +263,7 @@ def time_case(shape, T, gen, device, l2_bytes, replays) -> dict:
             torch._grouped_mm(a, lay["w2"].transpose(1, 2), offs=lay["offs"])
 
     fm = [t / L for t in graph_times(run_flashmoe, replays)]
+    phases = phase_breakdown(moe.layer_id)
     gm = [t / L for t in graph_times(run_grouped, replays)]
     flops = 6 * pairs * H * I
     touched = sum(int((lay["offs"].diff(prepend=lay["offs"].new_zeros(1)) > 0).sum()) for lay in layers) / L
@@ -248,13 +278,14 @@ def time_case(shape, T, gen, device, l2_bytes, replays) -> dict:
         flashmoe_us=[pct(fm, q) * 1e6 for q in (0.1, 0.5, 0.9)],
         grouped_mm_us=[pct(gm, q) * 1e6 for q in (0.1, 0.5, 0.9)],
         floor_us=max(floor_hbm, floor_mma) * 1e6,
+        phases_us=phases,
     )
     row["flashmoe_tflops"] = flops / (row["flashmoe_us"][1] * 1e-6) / 1e12
     row["grouped_mm_tflops"] = flops / (row["grouped_mm_us"][1] * 1e-6) / 1e12
     print(
         f"time  {shape:15s} T={T:5d} L={L} flashmoe p50 {row['flashmoe_us'][1]:8.1f} us "
         f"(p90/p10 {row['flashmoe_us'][2] / row['flashmoe_us'][0]:.2f}) grouped_mm {row['grouped_mm_us'][1]:8.1f} us "
-        f"floor {row['floor_us']:7.1f} us",
+        f"floor {row['floor_us']:7.1f} us | phases " + " ".join(f"{k} {v:.1f}" for k, v in phases.items()),
         flush=True,
     )
     return row

@@ -86,6 +86,11 @@ enum RingField : int {
   kRingRowsReceived = 9,
   kRingRemoteBytes = 10,    // bytes sent to other ranks, dispatch + combine
   kRingWorldSize = 11,
+  // When the last block finished each phase (%globaltimer, max over blocks): where a call's time goes.
+  kRingDispatchEndNs = 12,
+  kRingReceiveEndNs = 13,
+  kRingGemm0EndNs = 14,
+  kRingGemm1EndNs = 15,
 };
 constexpr int kRingSlots = 4096;
 constexpr int kRingFields = 16;

@@ -24,10 +24,19 @@ __device__ __forceinline__ int64_t* ring_record(const Params& p, uint32_t epoch)
   return p.metrics_ring + static_cast<int64_t>(epoch % kRingSlots) * kRingFields;
 }
 
+// Thread 0 of every block as it leaves a phase (before the grid barrier): the record keeps the latest.
+__device__ __forceinline__ void mark_phase_end(const Params& p, uint32_t epoch, RingField field) {
+  if (p.metrics && threadIdx.x == 0)
+    atomicMax(reinterpret_cast<unsigned long long*>(ring_record(p, epoch)) + field,
+              static_cast<unsigned long long>(globaltimer_ns()));
+}
+
 // Block 0, thread 0, at kernel start: the record is incomplete (seq 0) until the last block publishes it.
 __device__ void open_record(const Params& p, uint32_t epoch, uint64_t start_ns) {
   int64_t* rec = ring_record(p, epoch);
-  for (int f = 0; f < kRingFields; ++f) rec[f] = 0;
+  // The phase-end fields are not cleared: other blocks may already have marked this call's dispatch end, and
+  // what the slot held (a call kRingSlots earlier) is older than any time of this call, so atomicMax is right.
+  for (int f = 0; f < kRingDispatchEndNs; ++f) rec[f] = 0;
   rec[kRingLayerId] = p.layer_id;
   rec[kRingStartNs] = static_cast<int64_t>(start_ns);
   rec[kRingNumBlocks] = gridDim.x;

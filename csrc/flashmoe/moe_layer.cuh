@@ -62,6 +62,7 @@ __device__ void moe_layer(const Params& p) {
   const int rows_sent = (threadIdx.x & 31) == 0 ? warp_rows_sent : 0;  // every lane counted the warp's rows
   __threadfence_system();  // our NVLink stores are visible before any signal that follows the barrier
   clock.stop();
+  mark_phase_end(p, epoch, kRingDispatchEndNs);
   grid_barrier(p, 1, epoch);
   int64_t remote_bytes = 0;
   if (blockIdx.x == 0 && threadIdx.x == 0) {
@@ -83,6 +84,7 @@ __device__ void moe_layer(const Params& p) {
   clock.start();
   build_expert_lists(p, sh.recv);
   clock.stop();
+  mark_phase_end(p, epoch, kRingReceiveEndNs);
   grid_barrier(p, 2, epoch);
 
   // 3. GEMM0 (+ SwiGLU).
@@ -92,6 +94,7 @@ __device__ void moe_layer(const Params& p) {
   if (producer) produce_gemm0(p, gemm, sh.table, pipe);
   else consume_gemm0(p, gemm, sh.table, pipe);
   clock.stop();
+  mark_phase_end(p, epoch, kRingGemm0EndNs);
   grid_barrier(p, 3, epoch);
 
   // 4. GEMM1 into the owners' combine buffers.
@@ -100,6 +103,7 @@ __device__ void moe_layer(const Params& p) {
   else remote_bytes += consume_gemm1(p, sh.peers, sh.any_proxied, gemm, sh.table, pipe);
   __threadfence_system();
   clock.stop();
+  mark_phase_end(p, epoch, kRingGemm1EndNs);
   grid_barrier(p, 4, epoch);
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     if (sh.any_proxied) nvshmem_quiet();

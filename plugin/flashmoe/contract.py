@@ -91,6 +91,11 @@ RING_ROWS_DISPATCHED = 8  # token rows sent to ranks, this one included
 RING_ROWS_RECEIVED = 9
 RING_REMOTE_BYTES = 10  # bytes sent to other ranks, dispatch + combine
 RING_WORLD_SIZE = 11
+# When the last block finished each phase (%globaltimer, max over blocks): where a call's time goes.
+RING_DISPATCH_END_NS = 12
+RING_RECEIVE_END_NS = 13
+RING_GEMM0_END_NS = 14
+RING_GEMM1_END_NS = 15
 
 # Exact per-layer counters: [MAX_LAYERS, TOTALS_FIELDS] int64 (enum TotalsField).
 TOTALS_FIELDS = 4
