@@ -57,10 +57,10 @@ at::Tensor uniqueid() {
   return out;
 }
 
-void nvshmem_setup(const at::Tensor& uid, int64_t rank, int64_t world) {
+void nvshmem_setup(const at::Tensor& uid, int64_t rank, int64_t world_size) {
   TORCH_CHECK(uid.device().is_cpu() && uid.scalar_type() == at::kByte && uid.numel() == flashmoe::uniqueid_bytes(),
               "unique id must be a CPU uint8 tensor of ", flashmoe::uniqueid_bytes(), " bytes");
-  flashmoe::nvshmem_setup(uid.contiguous().data_ptr(), static_cast<int>(rank), static_cast<int>(world));
+  flashmoe::nvshmem_setup(uid.contiguous().data_ptr(), static_cast<int>(rank), static_cast<int>(world_size));
 }
 
 int64_t nvshmem_status() { return flashmoe::nvshmem_status(); }
@@ -105,8 +105,8 @@ void moe_forward(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tens
 
   flashmoe::LaunchArgs a{};
   a.num_tokens = static_cast<int>(x.size(0));
-  a.hidden = static_cast<int>(x.size(1));
-  a.inter = static_cast<int>(w2.size(2));
+  a.hidden_size = static_cast<int>(x.size(1));
+  a.intermediate_size = static_cast<int>(w2.size(2));
   a.top_k = static_cast<int>(topk_ids.size(1));
   a.num_local = static_cast<int>(w13.size(0));
   a.run = to_runtime(runtime);
@@ -134,7 +134,7 @@ void moe_forward(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tens
 TORCH_LIBRARY(FLASHMOE_OPS, m) {
   m.def("capacity_bytes(int[] capacity) -> int[]", &capacity_bytes);
   m.def("uniqueid() -> Tensor", &uniqueid);
-  m.def("nvshmem_setup(Tensor uniqueid, int rank, int world) -> ()", &nvshmem_setup);
+  m.def("nvshmem_setup(Tensor uniqueid, int rank, int world_size) -> ()", &nvshmem_setup);
   m.def("nvshmem_status() -> int", &nvshmem_status);
   m.def("uniqueid_bytes() -> int", &uniqueid_bytes);
   m.def("symmetric_alloc(int bytes) -> int", &symmetric_alloc);

@@ -59,8 +59,8 @@ CUtensorMap bf16_tile_map(const void* base, const cuuint64_t (&dims)[Rank], cons
 
 // w13 [E_l, 2I, H] as [2 E_l][I/8][8][H]: one box (64 k, 8 rows, 1 group, gate+up) is 8 gate rows followed by
 // the up rows of the same 8 features, the row order store_swiglu expects.
-CUtensorMap w13_map(const void* w13, int num_local, int hidden, int inter) {
-  const cuuint64_t H = hidden, I = inter;
+CUtensorMap w13_map(const void* w13, int num_local, int hidden_size, int intermediate_size) {
+  const cuuint64_t H = hidden_size, I = intermediate_size;
   const cuuint64_t dims[4] = {H, 8, I / 8, 2ull * num_local};
   const cuuint64_t strides[3] = {H * 2, 8 * H * 2, I * H * 2};
   const cuuint32_t box[4] = {kTileK, 8, 1, 2};
@@ -68,9 +68,9 @@ CUtensorMap w13_map(const void* w13, int num_local, int hidden, int inter) {
 }
 
 // w2 [E_l, H, I] as [E_l H][I]: one box is the 128 output-feature rows of a GEMM1 tile.
-CUtensorMap w2_map(const void* w2, int num_local, int hidden, int inter) {
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(inter), static_cast<cuuint64_t>(num_local) * hidden};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(inter) * 2};
+CUtensorMap w2_map(const void* w2, int num_local, int hidden_size, int intermediate_size) {
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(intermediate_size), static_cast<cuuint64_t>(num_local) * hidden_size};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(intermediate_size) * 2};
   const cuuint32_t box[2] = {kTileK, kTileWeightRows};
   return bf16_tile_map<2>(w2, dims, strides, box, "w2");
 }
@@ -94,7 +94,7 @@ void get_uniqueid(void* out) {
 
 int nvshmem_status() { return nvshmemx_init_status(); }
 
-void nvshmem_setup(const void* uniqueid, int rank, int world) {
+void nvshmem_setup(const void* uniqueid, int rank, int world_size) {
   if (nvshmemx_init_status() >= NVSHMEM_STATUS_IS_INITIALIZED) {
     // Another library (e.g. torch symmetric memory) initialised NVSHMEM: register this module's device state
     // with the running host library (an init call on an initialised library only does that).
@@ -103,15 +103,15 @@ void nvshmem_setup(const void* uniqueid, int rank, int world) {
     nvshmemx_uniqueid_t id;
     memcpy(&id, uniqueid, sizeof(id));
     nvshmemx_init_attr_t attr = NVSHMEMX_INIT_ATTR_INITIALIZER;
-    if (nvshmemx_set_attr_uniqueid_args(rank, world, &id, &attr) != 0)
+    if (nvshmemx_set_attr_uniqueid_args(rank, world_size, &id, &attr) != 0)
       throw std::runtime_error("flashmoe: nvshmemx_set_attr_uniqueid_args failed");
     if (nvshmemx_init_attr(NVSHMEMX_INIT_WITH_UNIQUEID, &attr) != 0)
       throw std::runtime_error("flashmoe: nvshmemx_init_attr failed");
   }
-  if (nvshmem_my_pe() != rank || nvshmem_n_pes() != world)
+  if (nvshmem_my_pe() != rank || nvshmem_n_pes() != world_size)
     throw std::runtime_error("flashmoe: NVSHMEM PE " + std::to_string(nvshmem_my_pe()) + "/" +
                              std::to_string(nvshmem_n_pes()) + " does not match EP rank " + std::to_string(rank) +
-                             "/" + std::to_string(world) +
+                             "/" + std::to_string(world_size) +
                              " (NVSHMEM was initialised by another library over a different group)");
 }
 
@@ -139,12 +139,12 @@ int max_resident_blocks(int device) {
 void launch(const LaunchArgs& a, const Capacity& cap, cudaStream_t stream) {
   require(reinterpret_cast<uintptr_t>(a.w13) % 16 == 0 && reinterpret_cast<uintptr_t>(a.w2) % 16 == 0,
           "w13 and w2 must be 16-byte aligned (TMA)");
-  require(a.num_tokens >= 0 && a.num_tokens <= cap.max_tokens,
-          "num_tokens " + std::to_string(a.num_tokens) + " exceeds capacity " + std::to_string(cap.max_tokens));
-  require(a.hidden <= cap.hidden && a.inter <= cap.inter && a.top_k <= cap.top_k && a.num_local <= cap.max_local,
+  require(a.num_tokens >= 0 && a.num_tokens <= cap.max_tokens_per_rank,
+          "num_tokens " + std::to_string(a.num_tokens) + " exceeds capacity " + std::to_string(cap.max_tokens_per_rank));
+  require(a.hidden_size <= cap.hidden_size && a.intermediate_size <= cap.intermediate_size && a.top_k <= cap.top_k && a.num_local <= cap.max_local,
           "layer shape exceeds the buffers' capacity");
-  require(a.run.world == cap.world && a.run.world <= kMaxWorld, "world size mismatch with the buffers");
-  require(a.hidden % kHiddenMultiple == 0 && a.inter % kInterMultiple == 0,
+  require(a.run.world_size == cap.world_size && a.run.world_size <= kMaxWorld, "world size mismatch with the buffers");
+  require(a.hidden_size % kHiddenMultiple == 0 && a.intermediate_size % kInterMultiple == 0,
           "hidden must be a multiple of " + std::to_string(kHiddenMultiple) + " and intermediate of " +
               std::to_string(kInterMultiple));
   require(a.top_k >= 1 && a.top_k <= kMaxTopK, "top_k out of range");
@@ -153,14 +153,14 @@ void launch(const LaunchArgs& a, const Capacity& cap, cudaStream_t stream) {
 
   Params p{};
   p.num_tokens = a.num_tokens;
-  p.hidden = a.hidden;
-  p.inter = a.inter;
+  p.hidden_size = a.hidden_size;
+  p.intermediate_size = a.intermediate_size;
   p.top_k = a.top_k;
   p.num_experts = a.run.num_experts;
   p.num_local = a.num_local;
   p.rank = a.run.rank;
-  p.world = a.run.world;
-  p.max_tokens = static_cast<int>(cap.max_tokens);
+  p.world_size = a.run.world_size;
+  p.max_tokens_per_rank = static_cast<int>(cap.max_tokens_per_rank);
   p.force_put = a.run.force_put;
   p.layer_id = a.run.layer_id;
   p.metrics = a.run.metrics;
@@ -177,12 +177,12 @@ void launch(const LaunchArgs& a, const Capacity& cap, cudaStream_t stream) {
   p.sym_off = sym_layout(cap);
   p.ws = static_cast<char*>(a.workspace);
   p.ws_off = workspace_layout(cap);
-  p.expert_rows_stride = cap.world * cap.max_tokens;
+  p.expert_rows_stride = cap.world_size * cap.max_tokens_per_rank;
   p.status = static_cast<Status*>(a.status);
   p.metrics_ring = static_cast<int64_t*>(a.metrics_ring);
   p.metrics_totals = static_cast<int64_t*>(a.metrics_totals);
-  p.tmap_w13 = w13_map(a.w13, a.num_local, a.hidden, a.inter);
-  p.tmap_w2 = w2_map(a.w2, a.num_local, a.hidden, a.inter);
+  p.tmap_w13 = w13_map(a.w13, a.num_local, a.hidden_size, a.intermediate_size);
+  p.tmap_w2 = w2_map(a.w2, a.num_local, a.hidden_size, a.intermediate_size);
 
   check(cudaFuncSetAttribute(moe_layer_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes()),
         "cudaFuncSetAttribute");

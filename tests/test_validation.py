@@ -130,8 +130,9 @@ def test_placement_fields_must_be_tensors_and_ints():
 def test_cpu_refuses_ids_outside_minus_one_to_e(bad_id, seed):
     a = valid_call(CPU, seed)
     a["topk_ids"][3, 1] = bad_id
-    lo, hi = min(bad_id, -1), max(bad_id, E - 1)
-    with pytest.raises(ValueError, match=rf"^topk_ids values must be in \[-1, 8\), got \[{lo}, {hi}\]"):
+    # The message reports the observed range; its other end depends on the random routing.
+    seen = rf"\[{bad_id}, -?\d+\]" if bad_id < -1 else rf"\[-?\d+, {bad_id}\]"
+    with pytest.raises(ValueError, match=rf"^topk_ids values must be in \[-1, 8\), got {seen}"):
         cpu_layer()(**a)
     assert bool(torch.isnan(a["out"]).all())
     del a["out"]

@@ -14,7 +14,7 @@ namespace flashmoe {
 
 struct LaunchArgs {
   RuntimeArgs run;                                  // contract.h
-  int num_tokens, hidden, inter, top_k, num_local;  // from the tensors' shapes
+  int num_tokens, hidden_size, intermediate_size, top_k, num_local;  // from the tensors' shapes
   const void *x, *topk_ids, *topk_weights, *w13, *w2, *expert_rank, *expert_local;
   void* out;
   void* sym;        // this rank's symmetric region (nvshmem_malloc)
@@ -29,7 +29,7 @@ int64_t workspace_bytes(const Capacity& c);
 int uniqueid_bytes();
 void get_uniqueid(void* out);
 // Initialise NVSHMEM over a unique id, or attach to an NVSHMEM another library initialised. Throws on error.
-void nvshmem_setup(const void* uniqueid, int rank, int world);
+void nvshmem_setup(const void* uniqueid, int rank, int world_size);
 int nvshmem_status();
 void* symmetric_alloc(int64_t bytes);
 void symmetric_free(void* p);

@@ -14,7 +14,7 @@ __device__ void combine_tokens(const Params& p) {
   const int lane = threadIdx.x & 31;
   const int warps_total = gridDim.x * kWarps;
   const int warp_global = blockIdx.x * kWarps + (threadIdx.x >> 5);
-  const int k = p.top_k, H = p.hidden;
+  const int k = p.top_k, H = p.hidden_size;
   const bf16* rows = sym_ptr<bf16>(p, p.sym_off.combine_rows);
   for (int t = warp_global; t < p.num_tokens; t += warps_total) {
     // Lane j holds slot j's weight (0 for skipped slots). Broadcast every slot's weight once, before the column

@@ -100,7 +100,7 @@ __device__ void grid_barrier(const Params& p, int index, uint32_t epoch) {
 
 __device__ void load_peer_table(const Params& p, PeerTable& peers) {
   // Shared-memory table filled by the first `world` threads.
-  if (threadIdx.x < p.world) {
+  if (threadIdx.x < p.world_size) {
     char* remote = static_cast<char*>(nvshmem_ptr(p.sym, threadIdx.x));
     peers.base[threadIdx.x] = p.force_put ? nullptr : remote;
   }

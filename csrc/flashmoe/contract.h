@@ -13,13 +13,13 @@ namespace flashmoe {
 
 // ---- Capacity: what the process-wide buffers are sized for (the largest layer). Passed as int64 list.
 #define FLASHMOE_CAPACITY_FIELDS(X) \
-  X(max_tokens)  /* tokens per rank per call */ \
-  X(hidden)      /* largest H */ \
-  X(inter)       /* largest I */ \
-  X(top_k)       /* largest k */ \
-  X(world)       /* EP size */ \
-  X(max_local)   /* most experts on one rank */ \
-  X(num_blocks)  /* persistent grid size */
+  X(max_tokens_per_rank)  /* tokens per rank per call */ \
+  X(hidden_size)          /* largest H */ \
+  X(intermediate_size)    /* largest I */ \
+  X(top_k)                /* largest k */ \
+  X(world_size)           /* EP size */ \
+  X(max_local)            /* most experts on one rank */ \
+  X(num_blocks)           /* persistent grid size */
 
 struct Capacity {
 #define FLASHMOE_DECLARE_FIELD(name) int64_t name;
@@ -30,7 +30,7 @@ struct Capacity {
 // ---- Runtime arguments of one call beyond the tensors. Passed as int64 list.
 #define FLASHMOE_RUNTIME_FIELDS(X) \
   X(rank)         /* this rank in the EP group */ \
-  X(world)        /* EP size */ \
+  X(world_size)   /* EP size */ \
   X(num_experts)  /* E, global */ \
   X(force_put)    /* 1: NVSHMEM puts even to NVLink peers */ \
   X(layer_id)     /* row of the metrics totals */ \

@@ -20,7 +20,7 @@ __device__ int dispatch_tokens(const Params& p, const PeerTable& peers) {
   const int lane = threadIdx.x & 31;
   const int warps_total = gridDim.x * kWarps;
   const int warp_global = blockIdx.x * kWarps + (threadIdx.x >> 5);
-  const int k = p.top_k, H = p.hidden;
+  const int k = p.top_k, H = p.hidden_size;
   const int vec_per_row = H / 8;  // 16-byte vectors
   const int64_t mstride = meta_stride(k);
   uint32_t* send_count = ws_ptr<uint32_t>(p, p.ws_off.rank_send_count);
@@ -51,7 +51,7 @@ __device__ int dispatch_tokens(const Params& p, const PeerTable& peers) {
       if (lane == L) slot = static_cast<int>(atomicAdd(send_count + r, 1u));
       slot = __shfl_sync(0xffffffffu, slot, L);
       const int meta_value = lane == 0 ? t : (dest_prev == r ? local_prev : -1);
-      const int64_t row = static_cast<int64_t>(p.rank) * p.max_tokens + slot;  // our rows at the destination
+      const int64_t row = static_cast<int64_t>(p.rank) * p.max_tokens_per_rank + slot;  // our rows at the destination
       ++rows_sent;
 
       if (use_p2p(peers, r)) {
@@ -66,7 +66,7 @@ __device__ int dispatch_tokens(const Params& p, const PeerTable& peers) {
           staged = true;
           __syncwarp();
         }
-        int* meta_stage = sym_ptr<int>(p, p.sym_off.send_meta) + (static_cast<int64_t>(r) * p.max_tokens + slot) * mstride;
+        int* meta_stage = sym_ptr<int>(p, p.sym_off.send_meta) + (static_cast<int64_t>(r) * p.max_tokens_per_rank + slot) * mstride;
         if (lane <= k) meta_stage[lane] = meta_value;
         __syncwarp();
         nvshmemx_putmem_nbi_warp(sym_ptr<int>(p, p.sym_off.recv_meta) + row * mstride, meta_stage, mstride * 4, r);

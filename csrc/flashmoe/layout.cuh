@@ -53,13 +53,13 @@ __host__ __device__ inline SymLayout sym_layout(const Capacity& c) {
   SymLayout l{};
   int64_t off = 0;
   auto take = [&](int64_t bytes) { int64_t o = off; off += align_up(bytes); return o; };
-  l.recv_tokens = take(c.world * c.max_tokens * c.hidden * 2);
-  l.recv_meta = take(c.world * c.max_tokens * meta_stride(c.top_k) * 4);
-  l.combine_rows = take(c.max_tokens * c.top_k * c.hidden * 2);
-  l.dispatch_signal = take(c.world * 8);
-  l.combine_signal = take(c.world * 8);
-  l.send_tokens = take(c.max_tokens * c.hidden * 2);
-  l.send_meta = take(c.world * c.max_tokens * meta_stride(c.top_k) * 4);
+  l.recv_tokens = take(c.world_size * c.max_tokens_per_rank * c.hidden_size * 2);
+  l.recv_meta = take(c.world_size * c.max_tokens_per_rank * meta_stride(c.top_k) * 4);
+  l.combine_rows = take(c.max_tokens_per_rank * c.top_k * c.hidden_size * 2);
+  l.dispatch_signal = take(c.world_size * 8);
+  l.combine_signal = take(c.world_size * 8);
+  l.send_tokens = take(c.max_tokens_per_rank * c.hidden_size * 2);
+  l.send_meta = take(c.world_size * c.max_tokens_per_rank * meta_stride(c.top_k) * 4);
   l.combine_stage = take(c.num_blocks * kCombineStageBytesPerBlock);
   l.total = off;
   return l;
@@ -67,17 +67,17 @@ __host__ __device__ inline SymLayout sym_layout(const Capacity& c) {
 
 __host__ __device__ inline int64_t max_received_entries(const Capacity& c) {
   const int64_t per_row = c.top_k < c.max_local ? c.top_k : c.max_local;
-  return c.world * c.max_tokens * per_row;
+  return c.world_size * c.max_tokens_per_rank * per_row;
 }
 
 __host__ __device__ inline WorkspaceLayout workspace_layout(const Capacity& c) {
   WorkspaceLayout l{};
   int64_t off = 0;
   auto take = [&](int64_t bytes) { int64_t o = off; off += align_up(bytes); return o; };
-  l.expert_rows = take(c.max_local * c.world * c.max_tokens * 4);
+  l.expert_rows = take(c.max_local * c.world_size * c.max_tokens_per_rank * 4);
   // Expert e's rows start at the prefix of the counts before it; tiles read and write only valid rows.
-  l.act = take(max_received_entries(c) * c.inter * 2);
-  l.rank_send_count = take(c.world * 4);
+  l.act = take(max_received_entries(c) * c.intermediate_size * 2);
+  l.rank_send_count = take(c.world_size * 4);
   l.expert_count = take(c.max_local * 4);
   l.remote_entries = take(4);
   l.barrier = take(4);

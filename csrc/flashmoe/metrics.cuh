@@ -41,7 +41,7 @@ __device__ void open_record(const Params& p, uint32_t epoch, uint64_t start_ns) 
   rec[kRingStartNs] = static_cast<int64_t>(start_ns);
   rec[kRingNumBlocks] = gridDim.x;
   rec[kRingTokensIn] = p.num_tokens;
-  rec[kRingWorldSize] = p.world;
+  rec[kRingWorldSize] = p.world_size;
   __threadfence();
 }
 

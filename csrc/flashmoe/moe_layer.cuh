@@ -51,7 +51,7 @@ __device__ void moe_layer(const Params& p) {
   const GemmSmem gemm = GemmSmem::carve(reinterpret_cast<char*>(dynamic_smem), epoch);
   if (threadIdx.x == 0) {
     bool any = false;
-    for (int r = 0; r < p.world; ++r) any = any || !use_p2p(sh.peers, r);
+    for (int r = 0; r < p.world_size; ++r) any = any || !use_p2p(sh.peers, r);
     sh.any_proxied = any;
     if (p.metrics && blockIdx.x == 0) open_record(p, epoch, globaltimer_ns());
   }
@@ -71,11 +71,11 @@ __device__ void moe_layer(const Params& p) {
     // host thread's scheduling.
     if (sh.any_proxied) nvshmem_quiet();
     const uint32_t* send_count = ws_ptr<uint32_t>(p, p.ws_off.rank_send_count);
-    for (int r = 0; r < p.world; ++r) {
+    for (int r = 0; r < p.world_size; ++r) {
       const uint32_t n = __ldcg(send_count + r);
       send_signal(p, sh.peers, sym_ptr<uint64_t>(p, p.sym_off.dispatch_signal) + p.rank, r,
                   (static_cast<uint64_t>(epoch) << 32) | n);
-      if (r != p.rank) remote_bytes += static_cast<int64_t>(n) * (p.hidden * 2 + meta_stride(p.top_k) * 4);
+      if (r != p.rank) remote_bytes += static_cast<int64_t>(n) * (p.hidden_size * 2 + meta_stride(p.top_k) * 4);
     }
   }
 
@@ -107,12 +107,12 @@ __device__ void moe_layer(const Params& p) {
   grid_barrier(p, 4, epoch);
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     if (sh.any_proxied) nvshmem_quiet();
-    for (int r = 0; r < p.world; ++r)
+    for (int r = 0; r < p.world_size; ++r)
       send_signal(p, sh.peers, sym_ptr<uint64_t>(p, p.sym_off.combine_signal) + p.rank, r,
                   static_cast<uint64_t>(epoch) << 32);
     // Counters for the next call: their last readers finished before barrier 4.
     uint32_t* send_count = ws_ptr<uint32_t>(p, p.ws_off.rank_send_count);
-    for (int r = 0; r < p.world; ++r) send_count[r] = 0;
+    for (int r = 0; r < p.world_size; ++r) send_count[r] = 0;
     uint32_t* expert_count = ws_ptr<uint32_t>(p, p.ws_off.expert_count);
     for (int e = 0; e < p.num_local; ++e) expert_count[e] = 0;
     *ws_ptr<uint32_t>(p, p.ws_off.epoch) = epoch;

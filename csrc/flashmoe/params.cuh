@@ -12,14 +12,14 @@ namespace flashmoe {
 
 struct Params {
   // Shapes of this call.
-  int num_tokens;    // T on this rank (0..capacity.max_tokens)
-  int hidden;        // H
-  int inter;         // I
+  int num_tokens;    // T on this rank (0..capacity.max_tokens_per_rank)
+  int hidden_size;        // H
+  int intermediate_size;  // I
   int top_k;         // k
   int num_experts;   // E (global)
   int num_local;     // experts on this rank
-  int rank, world;
-  int max_tokens;    // capacity: rows per source in the receive buffers
+  int rank, world_size;
+  int max_tokens_per_rank;  // capacity: rows per source in the receive buffers
   int force_put;     // 1: put-with-signal to every peer, even NVLink ones
   int layer_id;
   int metrics;       // 1: write the metrics ring

@@ -19,7 +19,7 @@ __device__ void wait_dispatch(const Params& p, uint32_t epoch, Received& recv) {
   if (threadIdx.x == 0) {
     const uint64_t* signals = sym_ptr<uint64_t>(p, p.sym_off.dispatch_signal);
     recv.total = 0;
-    for (int s = 0; s < p.world; ++s) {
+    for (int s = 0; s < p.world_size; ++s) {
       const uint64_t v = wait_signal(p, signals + s, epoch, kPhaseDispatchWait, s);
       const int n = static_cast<int>(v & 0xffffffffu);
       recv.rows[s] = v ? n : 0;
@@ -39,7 +39,7 @@ __device__ void build_expert_lists(const Params& p, const Received& recv) {
   for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < recv.total; i += gridDim.x * blockDim.x) {
     int s = 0, slot = i;
     while (slot >= recv.rows[s]) slot -= recv.rows[s++];
-    const int64_t row = static_cast<int64_t>(s) * p.max_tokens + slot;
+    const int64_t row = static_cast<int64_t>(s) * p.max_tokens_per_rank + slot;
     for (int j = 0; j < k; ++j) {
       const int local = ldcg(meta + row * mstride + 1 + j);
       if (local < 0) continue;
@@ -54,7 +54,7 @@ __device__ void build_expert_lists(const Params& p, const Received& recv) {
 __device__ void wait_combine(const Params& p, uint32_t epoch) {
   if (threadIdx.x == 0) {
     const uint64_t* signals = sym_ptr<uint64_t>(p, p.sym_off.combine_signal);
-    for (int r = 0; r < p.world; ++r) wait_signal(p, signals + r, epoch, kPhaseCombineWait, r);
+    for (int r = 0; r < p.world_size; ++r) wait_signal(p, signals + r, epoch, kPhaseCombineWait, r);
   }
   __syncthreads();
 }

@@ -26,7 +26,7 @@ __device__ __forceinline__ const int* expert_list(const Params& p, int expert) {
 // The GEMM loops are separate functions without NVSHMEM calls: ptxas serialises every wgmma of a function
 // that calls an external (relocatable) device function.
 __device__ __noinline__ void produce_gemm0(const Params& p, const GemmSmem& g, const ExpertTable& table, PipeState& st) {
-  const int feature_tiles = p.inter / kGemm0TileFeatures;
+  const int feature_tiles = p.intermediate_size / kGemm0TileFeatures;
   const int total = total_tasks(table, p.num_local, feature_tiles);
   const bf16* recv = sym_ptr<bf16>(p, p.sym_off.recv_tokens);
   for (int index = blockIdx.x; index < total; index += gridDim.x) {
@@ -38,10 +38,10 @@ __device__ __noinline__ void produce_gemm0(const Params& p, const GemmSmem& g, c
 #pragma unroll
       for (int i = 0; i < N / 16; ++i) {
         const int r = (threadIdx.x >> 3) + 16 * i;
-        rows[i] = r < task.rows ? recv + static_cast<int64_t>(ldcg(list + r) >> 4) * p.hidden : nullptr;
+        rows[i] = r < task.rows ? recv + static_cast<int64_t>(ldcg(list + r) >> 4) * p.hidden_size : nullptr;
       }
       // w13 viewed as [2 E_l][I/8][8][H]: one box = 8 gate rows then the same 8 features' up rows.
-      produce_tile<N>(p, g, st, rows, p.hidden / kTileK, [&](char* stage, uint64_t* full, int k0) {
+      produce_tile<N>(p, g, st, rows, p.hidden_size / kTileK, [&](char* stage, uint64_t* full, int k0) {
 #pragma unroll
         for (int q = 0; q < kGemm0TileFeatures / 8; ++q)
           tma_load_4d(stage + q * 16 * 128, &p.tmap_w13, full, k0, 0, task.feature_tile * (kGemm0TileFeatures / 8) + q,
@@ -53,21 +53,21 @@ __device__ __noinline__ void produce_gemm0(const Params& p, const GemmSmem& g, c
 
 __device__ void consume_gemm0(const Params& p, const GemmSmem& g, const ExpertTable& table, PipeState& st) {
   const int consumer = threadIdx.x / 128 - 1, tid = threadIdx.x & 127;
-  const int feature_tiles = p.inter / kGemm0TileFeatures;
+  const int feature_tiles = p.intermediate_size / kGemm0TileFeatures;
   const int total = total_tasks(table, p.num_local, feature_tiles);
   bf16* staging = g.staging(consumer);
   constexpr int kFeatures = kGemm0TileFeatures / kConsumers;  // 32 per consumer
   for (int index = blockIdx.x; index < total; index += gridDim.x) {
     const Task task = decode_task(table, p.num_local, feature_tiles, index);
-    st = mma_tile_to_staging<true>(p, g, st, task.tile_tokens, p.hidden / kTileK, staging);
+    st = mma_tile_to_staging<true>(p, g, st, task.tile_tokens, p.hidden_size / kTileK, staging);
     consumer_sync(consumer);
     bf16* act = ws_ptr<bf16>(p, p.ws_off.act) +
-                static_cast<int64_t>(table.row_offset[task.expert] + task.first_row) * p.inter +
+                static_cast<int64_t>(table.row_offset[task.expert] + task.first_row) * p.intermediate_size +
                 task.feature_tile * kGemm0TileFeatures + consumer * kFeatures;
     constexpr int kChunks = kFeatures / 8;  // 16-byte chunks per row
     for (int c = tid; c < task.rows * kChunks; c += 128) {
       const int r = c / kChunks, q = c % kChunks;
-      *reinterpret_cast<uint4*>(act + static_cast<int64_t>(r) * p.inter + q * 8) =
+      *reinterpret_cast<uint4*>(act + static_cast<int64_t>(r) * p.intermediate_size + q * 8) =
           *reinterpret_cast<const uint4*>(staging + r * kStagingStride + q * 8);
     }
     consumer_sync(consumer);  // staging is rewritten by the next tile
@@ -76,7 +76,7 @@ __device__ void consume_gemm0(const Params& p, const GemmSmem& g, const ExpertTa
 
 // ---------------------------------------------------------------- GEMM1
 __device__ __noinline__ void produce_gemm1(const Params& p, const GemmSmem& g, const ExpertTable& table, PipeState& st) {
-  const int feature_tiles = p.hidden / kGemm1TileFeatures;
+  const int feature_tiles = p.hidden_size / kGemm1TileFeatures;
   const int total = total_tasks(table, p.num_local, feature_tiles);
   const bf16* act = ws_ptr<bf16>(p, p.ws_off.act);
   for (int index = blockIdx.x; index < total; index += gridDim.x) {
@@ -88,11 +88,11 @@ __device__ __noinline__ void produce_gemm1(const Params& p, const GemmSmem& g, c
 #pragma unroll
       for (int i = 0; i < N / 16; ++i) {
         const int r = (threadIdx.x >> 3) + 16 * i;
-        rows[i] = r < task.rows ? act + (first + r) * p.inter : nullptr;
+        rows[i] = r < task.rows ? act + (first + r) * p.intermediate_size : nullptr;
       }
       // w2 viewed as [E_l H][I]: one box = the tile's 128 output-feature rows.
-      produce_tile<N>(p, g, st, rows, p.inter / kTileK, [&](char* stage, uint64_t* full, int k0) {
-        tma_load_2d(stage, &p.tmap_w2, full, k0, task.expert * p.hidden + task.feature_tile * kGemm1TileFeatures);
+      produce_tile<N>(p, g, st, rows, p.intermediate_size / kTileK, [&](char* stage, uint64_t* full, int k0) {
+        tma_load_2d(stage, &p.tmap_w2, full, k0, task.expert * p.hidden_size + task.feature_tile * kGemm1TileFeatures);
       });
     });
   }
@@ -102,9 +102,9 @@ __device__ __noinline__ void produce_gemm1(const Params& p, const GemmSmem& g, c
 __device__ int64_t consume_gemm1(const Params& p, const PeerTable& peers, bool any_proxied, const GemmSmem& g,
                                  const ExpertTable& table, PipeState& st) {
   const int consumer = threadIdx.x / 128 - 1, tid = threadIdx.x & 127;
-  const int feature_tiles = p.hidden / kGemm1TileFeatures;
+  const int feature_tiles = p.hidden_size / kGemm1TileFeatures;
   const int total = total_tasks(table, p.num_local, feature_tiles);
-  const int k = p.top_k, H = p.hidden;
+  const int k = p.top_k, H = p.hidden_size;
   const int* meta = sym_ptr<int>(p, p.sym_off.recv_meta);
   bf16* staging = g.staging(consumer);
   int64_t* row_dst = g.row_dst(consumer);
@@ -115,13 +115,13 @@ __device__ int64_t consume_gemm1(const Params& p, const PeerTable& peers, bool a
   int64_t remote_bytes = 0;
   for (int index = blockIdx.x; index < total; index += gridDim.x) {
     const Task task = decode_task(table, p.num_local, feature_tiles, index);
-    st = mma_tile_to_staging<false>(p, g, st, task.tile_tokens, p.inter / kTileK, staging);
+    st = mma_tile_to_staging<false>(p, g, st, task.tile_tokens, p.intermediate_size / kTileK, staging);
     if (tid < task.rows) {  // where each row goes: (source rank, element offset in its combine buffer)
       const int entry = ldcg(expert_list(p, task.expert) + task.first_row + tid);
       const int64_t row = entry >> 4;  // source * max_tokens + slot
       const int j = entry & 15;
       const int token = ldcg(meta + row * meta_stride(k));
-      row_rank[tid] = static_cast<int>(row / p.max_tokens);
+      row_rank[tid] = static_cast<int>(row / p.max_tokens_per_rank);
       row_dst[tid] = (static_cast<int64_t>(token) * k + j) * H + task.feature_tile * kGemm1TileFeatures +
                      consumer * kConsumerRows;
     }

@@ -47,7 +47,7 @@ class SymmetricBuffers:
         c = self.capacity
         return (
             f"flashmoe buffers: symmetric {self.sym_bytes / 2**20:.1f} MiB + local {self.workspace_bytes / 2**20:.1f} MiB "
-            f"(max_tokens/rank {c.max_tokens}, H {c.hidden}, I {c.inter}, k {c.top_k}, EP {c.world}, "
+            f"(max_tokens/rank {c.max_tokens_per_rank}, H {c.hidden_size}, I {c.intermediate_size}, k {c.top_k}, EP {c.world_size}, "
             f"experts/rank {c.max_local}, blocks {c.num_blocks})"
         )
 

@@ -16,11 +16,11 @@ from .errors import FlashMoEError
 class Capacity:
     """What the process-wide buffers are sized for: the largest layer announced so far."""
 
-    max_tokens: int  # tokens per rank per call
-    hidden: int  # largest H
-    inter: int  # largest I
+    max_tokens_per_rank: int  # tokens per rank per call
+    hidden_size: int  # largest H
+    intermediate_size: int  # largest I
     top_k: int  # largest k
-    world: int  # EP size
+    world_size: int  # EP size
     max_local: int  # most experts on one rank
     num_blocks: int  # persistent grid size
 
@@ -28,13 +28,13 @@ class Capacity:
         return list(astuple(self))
 
     def covers(self, other: Capacity) -> bool:
-        return self.world == other.world and all(
+        return self.world_size == other.world_size and all(
             a >= b for a, b in zip(self.as_list(), other.as_list(), strict=True)
         )
 
     def union(self, other: Capacity) -> Capacity:
-        if self.world != other.world:
-            raise FlashMoEError(f"one process serves one EP group: world {self.world} vs {other.world}")
+        if self.world_size != other.world_size:
+            raise FlashMoEError(f"one process serves one EP group: world size {self.world_size} vs {other.world_size}")
         return Capacity(*(max(a, b) for a, b in zip(self.as_list(), other.as_list(), strict=True)))
 
 
@@ -43,7 +43,7 @@ class RuntimeArgs:
     """The arguments of one call beyond its tensors."""
 
     rank: int
-    world: int
+    world_size: int
     num_experts: int  # E, global
     force_put: int  # 1: NVSHMEM puts even to NVLink peers
     layer_id: int  # row of the metrics totals

@@ -56,7 +56,7 @@ class MegaKernelLayer:
         self.force_put = config.force_put()
         self.timeout_ns = config.timeout_ms() * 1_000_000
         self.metrics = config.metrics_enabled()
-        self.runtime = RuntimeArgs(rank=rank, world=world, num_experts=spec.num_experts, force_put=int(self.force_put),
+        self.runtime = RuntimeArgs(rank=rank, world_size=world, num_experts=spec.num_experts, force_put=int(self.force_put),
                                    layer_id=layer_id, metrics=int(self.metrics), num_blocks=self.num_blocks,
                                    timeout_ns=self.timeout_ns)
 

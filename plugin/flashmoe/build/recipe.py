@@ -14,7 +14,7 @@ from pathlib import Path
 
 from .. import config
 from ..errors import FlashMoEBuildError
-from .toolchain import cute_include_dir, nvshmem_dir
+from .toolchain import nvshmem_dir
 
 
 @dataclass(frozen=True)
@@ -71,9 +71,6 @@ def compile_objects(src: Path, out: Path, arch: str, variant: Variant, nvcc: str
     verbose = config.jit_verbose()
     nv = nvshmem_dir()
     includes = [f"-I{src}", f"-I{nv / 'include'}"]
-    cute = cute_include_dir()
-    if cute is not None:
-        includes.append(f"-I{cute}")
     defines = [f"-D{d}" for d in variant.defines]
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
     kernel_o, dlink_o, bind_o = out / "kernel.o", out / "dlink.o", out / "bindings.o"

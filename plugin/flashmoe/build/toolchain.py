@@ -75,15 +75,6 @@ def nvshmem_dir() -> Path:
     return root
 
 
-def cute_include_dir() -> Path | None:
-    try:
-        import cutlass_library
-    except ImportError:
-        return None
-    inc = Path(cutlass_library.__file__).parent / "source" / "include"
-    return inc if (inc / "cute").is_dir() else None
-
-
 def arch_for_capability(major: int, minor: int) -> str:
     """The arch the JIT builds for a GPU of compute capability ``major.minor``; 9.0 (Hopper) is ``sm_90a``."""
     return f"sm_{major}{minor}{'a' if (major, minor) == (9, 0) else ''}"
