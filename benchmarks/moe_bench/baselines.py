@@ -96,17 +96,25 @@ def all_to_all_moe(x, topk_ids, topk_weights, w13, w2, swiglu: GroupedSwiGLU, ep
     return torch.bmm(topk_weights.to(x.dtype).unsqueeze(1), y_tk).squeeze(1)
 
 
-def allgather_rs_moe(x, topk_ids, topk_weights, w13, w2, swiglu: GroupedSwiGLU, ep: EPLayout) -> torch.Tensor:
-    n_mine = w13.shape[0]
+def all_gather_tokens(x, topk_ids, topk_weights, ep: EPLayout):
+    """Every rank's tokens and routing, rank-major ([W*T, ...]; every rank has the same T)."""
     T, k = topk_ids.shape
-    H = x.shape[1]
     W = ep.world
-    xg = x.new_empty(W * T, H)
+    xg = x.new_empty(W * T, x.shape[1])
     ids_g = topk_ids.new_empty(W * T, k)
     w_g = topk_weights.new_empty(W * T, k)
     dist.all_gather_into_tensor(xg, x.contiguous(), group=ep.group)
     dist.all_gather_into_tensor(ids_g, topk_ids.contiguous(), group=ep.group)
     dist.all_gather_into_tensor(w_g, topk_weights.contiguous(), group=ep.group)
+    return xg, ids_g, w_g
+
+
+def allgather_rs_moe(x, topk_ids, topk_weights, w13, w2, swiglu: GroupedSwiGLU, ep: EPLayout) -> torch.Tensor:
+    n_mine = w13.shape[0]
+    T, k = topk_ids.shape
+    H = x.shape[1]
+    W = ep.world
+    xg, ids_g, w_g = all_gather_tokens(x, topk_ids, topk_weights, ep)
 
     flat = ids_g.reshape(-1).long()
     key = torch.where(ep.owner[flat] == ep.rank, ep.local[flat], n_mine)  # other ranks' experts sort last

@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from .baselines import EPLayout
+from .baselines import EPLayout, all_gather_tokens
 
 
 def vllm_version() -> str | None:
@@ -65,16 +65,10 @@ def expert_map(ep: EPLayout) -> torch.Tensor | None:
 def allgather_fused_moe(
     x, topk_ids, topk_weights, w13, w2, ep: EPLayout, fused_experts: Callable, local_map: torch.Tensor | None
 ) -> torch.Tensor:
-    T, k = topk_ids.shape
-    H, W = x.shape[1], ep.world
-    if W == 1:
+    T, H = x.shape
+    if ep.world == 1:
         return fused_experts(x, w13, w2, topk_weights, topk_ids, global_num_experts=ep.num_experts)
-    xg = x.new_empty(W * T, H)
-    ids_g = topk_ids.new_empty(W * T, k)
-    w_g = topk_weights.new_empty(W * T, k)
-    dist.all_gather_into_tensor(xg, x.contiguous(), group=ep.group)
-    dist.all_gather_into_tensor(ids_g, topk_ids.contiguous(), group=ep.group)
-    dist.all_gather_into_tensor(w_g, topk_weights.contiguous(), group=ep.group)
+    xg, ids_g, w_g = all_gather_tokens(x, topk_ids, topk_weights, ep)
     partial = fused_experts(xg, w13, w2, w_g, ids_g, global_num_experts=ep.num_experts, expert_map=local_map)
     out = x.new_empty(T, H)
     dist.reduce_scatter_tensor(out, partial, group=ep.group)

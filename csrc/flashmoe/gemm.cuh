@@ -13,8 +13,8 @@
 //                   stage (`empty`) once its wgmma on it completed.
 //
 // The pipeline is never drained between tiles or phases: the producer runs ahead into the next tile while
-// the consumers run an epilogue. Tasks (tasks.cuh) call produce_tile / consume_tile and the store_* epilogue
-// helpers; only this file knows the accumulator layout.
+// the consumers run an epilogue. Tasks (tasks.cuh) call produce_tile on the producer side and
+// mma_tile_to_staging on the consumer side; only this file knows the accumulator layout.
 #pragma once
 
 #include "comm.cuh"
