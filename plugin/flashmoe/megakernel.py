@@ -29,8 +29,8 @@ def _ops():
     return build.load()
 
 
-def reserve(max_tokens_per_rank: int, hidden: int, intermediate: int, top_k: int, num_experts: int, group=None,
-            device: torch.device | None = None) -> _buffers.SymmetricBuffers:
+def reserve(max_tokens_per_rank: int, hidden_size: int, intermediate_size: int, top_k: int, num_experts: int,
+            group=None, device: torch.device | None = None) -> _buffers.SymmetricBuffers:
     """Allocate the process's buffers for the largest layer up front (collective over ``group``)."""
     import torch.distributed as dist
 
@@ -38,7 +38,7 @@ def reserve(max_tokens_per_rank: int, hidden: int, intermediate: int, top_k: int
     rank = dist.get_rank(group) if dist.is_initialized() else 0
     device = device or torch.device("cuda", torch.cuda.current_device())
     ops = _ops()
-    spec = MoELayerSpec(num_experts, top_k, hidden, intermediate, config.max_tokens_per_rank(max_tokens_per_rank))
+    spec = MoELayerSpec(num_experts, top_k, hidden_size, intermediate_size, config.max_tokens_per_rank(max_tokens_per_rank))
     max_local = -(-num_experts // world)
     return _buffers.ensure(ops, _capacity(spec, world, max_local, _buffers.default_num_blocks(ops, device)), rank, world, group, device)
 
