@@ -119,5 +119,9 @@ def test_sliced_forward_matches_unsliced_reference(world, gen, tmp_path):
             if T == 0:
                 continue
             what = f"world {world} T={T} rank {rank}"
-            assert_within(got["sliced"], single, SAME_ROUNDING_REL_FRO, SAME_ROUNDING_ROW_REL, what + " vs single")
-            assert_within(got["sliced"], got["full"], SAME_ROUNDING_REL_FRO, SAME_ROUNDING_ROW_REL, what + " vs full")
+            assert_within(
+                got["sliced"], single, SAME_ROUNDING_REL_FRO, SAME_ROUNDING_ROW_REL, what + " vs single"
+            )
+            assert_within(
+                got["sliced"], got["full"], SAME_ROUNDING_REL_FRO, SAME_ROUNDING_ROW_REL, what + " vs full"
+            )
