@@ -26,10 +26,11 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 NUM_PROMPTS = 4
 MAX_TOKENS = 8
 SERVER_ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "128", "--max-num-seqs", "8"]
+# args, EP size, token mode (TP+EP slices the replicated tokens over the EP group)
 TOPOLOGIES = {
-    "single": ([], 1),
-    "tp2_ep2": (["--tensor-parallel-size", "2", "--enable-expert-parallel"], 2),
-    "dp2_ep2": (["--data-parallel-size", "2", "--enable-expert-parallel"], 2),
+    "single": ([], 1, "full"),
+    "tp2_ep2": (["--tensor-parallel-size", "2", "--enable-expert-parallel"], 2, "tp-sliced"),
+    "dp2_ep2": (["--data-parallel-size", "2", "--enable-expert-parallel"], 2, "full"),
 }
 
 
@@ -53,13 +54,14 @@ def reference_ids(tiny_model, prompts):
 
 @pytest.mark.parametrize("topology", list(TOPOLOGIES))
 def test_serve_matches_transformers(topology, tiny_model, prompts, reference_ids, tmp_path):
-    args, ep_size = TOPOLOGIES[topology]
+    args, ep_size, mode = TOPOLOGIES[topology]
     with VLLMServer(
         tiny_model, SERVER_ARGS + args, log_path=tmp_path / "server.log", startup_timeout=420
     ) as srv:
         got = [srv.complete(p, max_tokens=MAX_TOKENS, timeout=180)["token_ids"] for p in prompts]
         log = srv.log_path.read_text(errors="replace")
     assert "flashmoe: MoE layers E=8 top_k=2 H=128 I=64 float32 -> backend reference" in log, srv.log_tail()
+    assert f"flashmoe: MoE layers run in token mode {mode} (" in log, srv.log_tail()
     for rank in range(ep_size):
         assert f"EP rank {rank}/{ep_size} owns {8 // ep_size} experts" in log, srv.log_tail()
     assert got == reference_ids, f"{topology}: vLLM+flashmoe {got} != transformers {reference_ids}"

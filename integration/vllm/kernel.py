@@ -5,6 +5,8 @@ half is a pass-through that tells vLLM the output is already reduced across the 
 then skips its naive dispatch/combine and the final all-reduce), and the experts half hands the
 router's ``(topk_ids, topk_weights)`` and the layer's weights to :class:`flashmoe.FlashMoE`.
 Routing stays in vLLM; ``--all2all-backend`` stays at its default and allocates nothing.
+Under TP+EP (tokens replicated over the EP group) the experts half runs FlashMoE on the rank's slice
+of the tokens and all-gathers the combined slices (:mod:`.token_slicing`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import TopKWeightAndReduceNoOP
 
 from . import compat
+from .token_slicing import TP_SLICED, sliced_forward
 
 
 class FlashMoEPrepareFinalize(compat.prepare_finalize_base()):
@@ -38,9 +41,15 @@ class FlashMoEPrepareFinalize(compat.prepare_finalize_base()):
 class FlashMoEExperts(mk.FusedMoEExpertsModular):
     """Runs one layer's :class:`flashmoe.FlashMoE` (megakernel on Hopper, reference elsewhere)."""
 
-    def __init__(self, moe_config, quant_config, flashmoe: FlashMoE):
+    def __init__(self, moe_config, quant_config, flashmoe: FlashMoE, token_mode: str, ep_group=None):
+        """``token_mode``: :data:`.token_slicing.TP_SLICED` or ``FULL``; ``ep_group``: vLLM's EP
+        ``GroupCoordinator`` (needed for the all-gather in tp-sliced mode)."""
         super().__init__(moe_config, quant_config)
         self.flashmoe = flashmoe
+        self.token_mode = token_mode
+        if token_mode == TP_SLICED and (ep_group is None or ep_group.world_size != flashmoe.world_size):
+            raise ValueError("tp-sliced token mode needs the EP group FlashMoE runs over")
+        self.ep_group = ep_group
 
     @staticmethod
     def activation_format() -> mk.FusedMoEActivationFormat:
@@ -94,12 +103,25 @@ class FlashMoEExperts(mk.FusedMoEExpertsModular):
     ) -> None:
         # topk_ids are global (physical) expert ids; the placement inside FlashMoE maps them to
         # (rank, local slot), so vLLM's expert_map is not needed here.
-        self.flashmoe(
-            hidden_states,
-            topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32),
-            topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float(),
-            w1,
-            w2,
-            out=output,
-        )
+        topk_ids = topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)
+        topk_weights = topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()
+        if self.token_mode == TP_SLICED:
+            sliced_forward(
+                self.flashmoe,
+                hidden_states,
+                topk_ids,
+                topk_weights,
+                w1,
+                w2,
+                output,
+                self.flashmoe.rank,
+                self.flashmoe.world_size,
+                self._all_gather_rows,
+            )
+        else:
+            self.flashmoe(hidden_states, topk_ids, topk_weights, w1, w2, out=output)
         return None
+
+    def _all_gather_rows(self, part: torch.Tensor) -> torch.Tensor:
+        # vLLM's coordinator: a registered op on CUDA (graph-capturable), shared memory/gloo on CPU.
+        return self.ep_group.all_gather(part, dim=0)

@@ -27,6 +27,7 @@ from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import Un
 from . import compat
 from .kernel import FlashMoEExperts, FlashMoEPrepareFinalize
 from .log import logger
+from .token_slicing import TP_SLICED, sliced_max_tokens, token_mode
 
 # One log line per distinct (backend, reason, shape) per process, not one per layer.
 _logged_layer_types: set[tuple] = set()
@@ -70,9 +71,10 @@ class FlashMoEUnquantizedMethod(UnquantizedFusedMoEMethod):
             return
 
         reason = unsupported_layer_reason(layer, self.moe)
+        mode, mode_why = token_mode(self.moe.moe_parallel_config)
         if reason is None:
             try:
-                self.flashmoe = build_flashmoe(layer, self.moe)
+                self.flashmoe = build_flashmoe(layer, self.moe, mode)
             except FlashMoEUnsupported:
                 raise  # FLASHMOE_STRICT / FLASHMOE_BACKEND=megakernel: the user asked for an error
             except FlashMoEError as e:  # JIT build or NVSHMEM init failed on this worker
@@ -100,11 +102,22 @@ class FlashMoEUnquantizedMethod(UnquantizedFusedMoEMethod):
 
         compat.ensure_moe_workspace(layer.w13_weight.device)
         self.moe_quant_config = self.get_fused_moe_quant_config(layer)
+        from vllm.distributed import get_ep_group
+
         self.moe_kernel = mk.FusedMoEKernel(
             FlashMoEPrepareFinalize(),
-            FlashMoEExperts(self.moe, self.moe_quant_config, self.flashmoe),
+            FlashMoEExperts(
+                self.moe,
+                self.moe_quant_config,
+                self.flashmoe,
+                mode,
+                get_ep_group() if mode == TP_SLICED else None,
+            ),
         )
         _log_layer(self.flashmoe)
+        _log_once(
+            ("token_mode", mode, mode_why), "flashmoe: MoE layers run in token mode %s (%s)", mode, mode_why
+        )
 
 
 def unsupported_layer_reason(layer, moe) -> str | None:
@@ -122,19 +135,23 @@ def unsupported_layer_reason(layer, moe) -> str | None:
     return None
 
 
-def build_flashmoe(layer, moe) -> FlashMoE:
-    """The layer's FlashMoE over vLLM's EP group, sized from vLLM's configs."""
+def build_flashmoe(layer, moe, mode: str) -> FlashMoE:
+    """The layer's FlashMoE over vLLM's EP group, sized from vLLM's configs (in tp-sliced token
+    mode a rank dispatches at most ceil(max_num_tokens / W) tokens, so the buffers shrink too)."""
     from vllm.distributed import get_ep_group
 
     ep = get_ep_group()
     w13, w2 = layer.w13_weight, layer.w2_weight
     placement = gather_placement(layer.expert_map, layer.global_num_experts, ep.cpu_group, ep.world_size)
+    max_tokens = moe.max_num_tokens
+    if mode == TP_SLICED:
+        max_tokens = sliced_max_tokens(max_tokens, ep.world_size)
     spec = MoELayerSpec(
         num_experts=layer.global_num_experts,
         top_k=moe.experts_per_token,
         hidden_size=w13.shape[2],  # the weights' (possibly padded) sizes are what the kernel reads
         intermediate_size=w2.shape[2],
-        max_tokens_per_rank=moe.max_num_tokens,  # FlashMoE applies FLASHMOE_MAX_TOKENS
+        max_tokens_per_rank=max_tokens,  # FlashMoE applies FLASHMOE_MAX_TOKENS
         dtype=w13.dtype,
     )
     return FlashMoE(

@@ -31,6 +31,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("FLASHMOE_FORCE_PUT", "0", "1 sends dispatch/combine through NVSHMEM put-with-signal even to NVLink peers (the multi-node path, testable on one node)."),
     EnvVar("FLASHMOE_NUM_BLOCKS", "0", "Persistent grid size (SM budget); 0 = every SM the occupancy check allows."),
     EnvVar("FLASHMOE_MAX_TOKENS", "0", "Max tokens per rank per call the symmetric buffers are sized for; 0 = what the engine reports."),
+    EnvVar("FLASHMOE_TP_SLICE", "1", "vLLM TP+EP (tokens replicated over the EP group): 1 = each rank dispatches its 1/W slice of the tokens and the combined slices are all-gathered; 0 = every rank dispatches all of them (for A/B measurement)."),
     EnvVar("FLASHMOE_STRICT", "0", "1 turns any fallback away from the megakernel into an error."),
     EnvVar("FLASHMOE_BACKEND", "auto", "auto | megakernel | reference: force the implementation behind the op."),
     EnvVar("FLASHMOE_METRICS", "1", "0 turns off the Prometheus export and the kernel's metrics records (read once per process)."),
@@ -116,6 +117,10 @@ def strict() -> bool:
 def max_tokens_per_rank(reported: int) -> int:
     """FLASHMOE_MAX_TOKENS if set (> 0), else ``reported``: the bound the engine or caller gave."""
     return env_int("FLASHMOE_MAX_TOKENS") or reported
+
+
+def tp_slice() -> bool:
+    return env_flag("FLASHMOE_TP_SLICE")
 
 
 def timeout_ms() -> int:
