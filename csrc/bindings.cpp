@@ -5,6 +5,8 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "flashmoe/api.h"
@@ -18,32 +20,26 @@ namespace {
 using flashmoe::Capacity;
 using flashmoe::RuntimeArgs;
 
-// The field lists come from contract.h; Python builds the lists from the same names in the same order.
-#define FLASHMOE_COUNT_FIELD(name) +1
+// The field lists come from contract.h; Python builds the lists from the same names in the same order. Both
+// structs are int64 fields only, so a list in field order is the struct's bytes.
 #define FLASHMOE_NAME_FIELD(name) #name " "
 
+template <typename Struct>
+Struct from_list(const std::vector<int64_t>& v, const char* what, const char* names) {
+  static_assert(std::is_standard_layout_v<Struct> && sizeof(Struct) % sizeof(int64_t) == 0);
+  constexpr size_t n = sizeof(Struct) / sizeof(int64_t);
+  TORCH_CHECK(v.size() == n, what, " must be [ ", names, "], got ", v.size(), " values");
+  Struct s{};
+  std::memcpy(&s, v.data(), sizeof(Struct));
+  return s;
+}
+
 Capacity to_capacity(const std::vector<int64_t>& v) {
-  constexpr size_t n = 0 FLASHMOE_CAPACITY_FIELDS(FLASHMOE_COUNT_FIELD);
-  TORCH_CHECK(v.size() == n, "capacity must be [ " FLASHMOE_CAPACITY_FIELDS(FLASHMOE_NAME_FIELD) "], got ", v.size(),
-              " values");
-  Capacity c{};
-  size_t i = 0;
-#define FLASHMOE_READ_FIELD(name) c.name = v[i++];
-  FLASHMOE_CAPACITY_FIELDS(FLASHMOE_READ_FIELD)
-#undef FLASHMOE_READ_FIELD
-  return c;
+  return from_list<Capacity>(v, "capacity", FLASHMOE_CAPACITY_FIELDS(FLASHMOE_NAME_FIELD));
 }
 
 RuntimeArgs to_runtime(const std::vector<int64_t>& v) {
-  constexpr size_t n = 0 FLASHMOE_RUNTIME_FIELDS(FLASHMOE_COUNT_FIELD);
-  TORCH_CHECK(v.size() == n, "runtime must be [ " FLASHMOE_RUNTIME_FIELDS(FLASHMOE_NAME_FIELD) "], got ", v.size(),
-              " values");
-  RuntimeArgs r{};
-  size_t i = 0;
-#define FLASHMOE_READ_FIELD(name) r.name = v[i++];
-  FLASHMOE_RUNTIME_FIELDS(FLASHMOE_READ_FIELD)
-#undef FLASHMOE_READ_FIELD
-  return r;
+  return from_list<RuntimeArgs>(v, "runtime", FLASHMOE_RUNTIME_FIELDS(FLASHMOE_NAME_FIELD));
 }
 
 std::vector<int64_t> capacity_bytes(std::vector<int64_t> cap) {
