@@ -22,17 +22,20 @@ class ExpertPlacement:
 
     def __post_init__(self):
         check_placement(self)
+        # Per-rank expert counts, computed once: every call's validation asks for its rank's.
+        counts = torch.bincount(self.expert_rank.long(), minlength=self.world_size).tolist()
+        object.__setattr__(self, "_local_counts", tuple(counts))
 
     @property
     def num_experts(self) -> int:
         return self.expert_rank.numel()
 
     def num_local(self, rank: int) -> int:
-        return int((self.expert_rank == rank).sum())
+        return self._local_counts[rank]
 
     @property
     def max_local(self) -> int:
-        return max(self.num_local(r) for r in range(self.world_size))
+        return max(self._local_counts)
 
     def local_experts(self, rank: int) -> torch.Tensor:
         """Global ids of ``rank``'s experts, ordered by local index."""
