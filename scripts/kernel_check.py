@@ -227,6 +227,19 @@ def phase_breakdown(layer_id: int) -> dict[str, float]:
     }
 
 
+def git_commit() -> str | None:
+    import subprocess
+
+    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    return done.stdout.strip() or None if done.returncode == 0 else None
+
+
+def build_info() -> str:
+    from flashmoe import build
+
+    return build.load().build_info()
+
+
 def pct(xs, q):
     xs = sorted(xs)
     return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
@@ -299,11 +312,21 @@ def main():
     ap.add_argument("--adhoc", default="", help="E,k,H,I,T,routing: check this one case only")
     ap.add_argument("--replays", type=int, default=50)
     ap.add_argument("--seed", type=int, default=int(time.time()))
+    ap.add_argument(
+        "--commit", default=None, help="commit to record when the tree has no .git (GPU machines)"
+    )
     args = ap.parse_args()
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     gen = torch.Generator().manual_seed(args.seed)
-    result = dict(seed=args.seed, device=torch.cuda.get_device_name(device), torch=torch.__version__)
+    result = dict(
+        seed=args.seed,
+        device=torch.cuda.get_device_name(device),
+        torch=torch.__version__,
+        commit=args.commit or git_commit(),
+        command=" ".join(sys.argv),
+        build=build_info(),
+    )
     t0 = time.time()
     if args.adhoc:
         E, k, H, I, T, kind = args.adhoc.split(",")
