@@ -17,6 +17,8 @@
 // mma_tile_to_staging on the consumer side; only this file knows the accumulator layout.
 #pragma once
 
+#include <type_traits>
+
 #include "comm.cuh"
 #include "hopper.cuh"
 #include "params.cuh"
@@ -114,47 +116,53 @@ __device__ __forceinline__ void pipe_wait(const Params& p, const GemmSmem& g, ui
   }
 }
 
-// Runs f(std::integral_constant<int, N>) for the tile's token count N (32, 64 or 128).
-template <int N>
-struct TileTokens {
-  static constexpr int value = N;
-};
-template <typename F>
-__device__ __forceinline__ void with_tile_tokens(int n, F&& f) {
-  if (n <= 32) f(TileTokens<32>{});
-  else if (n <= 64) f(TileTokens<64>{});
-  else f(TileTokens<128>{});
-}
 // Token tile for an expert with `rows` rows: the smallest that holds them, else 128-row tiles.
 __host__ __device__ constexpr int tile_tokens_for(int rows) { return rows <= 32 ? 32 : rows <= 64 ? 64 : 128; }
 
-// Producer side of one tile. `rows[i]` is this thread's token row (tile row (tid / 8) + 16 i), nullptr past
-// the valid rows (zero-filled); `issue_weights(stage, full_barrier, k0)` issues the TMA loads of the stage's
-// 128 weight rows (kStageWeightBytes in total).
-template <int N, typename IssueWeights>
-__device__ __forceinline__ void produce_tile(const Params& p, const GemmSmem& g, PipeState& st,
-                                             const bf16* const (&rows)[N / 16], int k_steps, IssueWeights issue_weights) {
-  const int tid = threadIdx.x;  // 0..127
-  const int chunk = tid & 7;    // 16-byte chunk of the 128-byte row
-  for (int ks = 0; ks < k_steps; ++ks) {
-    pipe_wait(p, g, g.empty(st.stage), st.phase ^ 1u);
-    char* stage = g.stage(st.stage);
-    uint64_t* full = g.full(st.stage);
-    if (tid == 0) {
-      mbar_arrive_expect_tx(full, kStageWeightBytes);
-      issue_weights(stage, full, ks * kTileK);
-    }
-    const uint32_t tokens = smem_addr(stage + kStageWeightBytes);
+// Runs f(std::integral_constant<int, N>{}) for a tile width N from tile_tokens_for (32, 64 or 128).
+template <typename F>
+__device__ __forceinline__ void with_tile_tokens(int n, F&& f) {
+  if (n == 32) f(std::integral_constant<int, 32>{});
+  else if (n == 64) f(std::integral_constant<int, 64>{});
+  else f(std::integral_constant<int, 128>{});
+}
+
+// Producer side of one tile of `n` tokens (a tile_tokens_for width), `rows` of them valid.
+// `row_at(r)` is the start of token row r (r < rows; the rest are zero-filled); `issue_weights(stage,
+// full_barrier, k0)` issues the TMA loads of the stage's 128 weight rows (kStageWeightBytes in total).
+template <typename RowAt, typename IssueWeights>
+__device__ __forceinline__ void produce_tile(const Params& p, const GemmSmem& g, PipeState& st, int n, int rows,
+                                             int k_steps, RowAt row_at, IssueWeights issue_weights) {
+  with_tile_tokens(n, [&](auto tile) {
+    constexpr int N = decltype(tile)::value;
+    const int tid = threadIdx.x;  // 0..127
+    const int chunk = tid & 7;    // 16-byte chunk of the 128-byte row
+    const bf16* row[N / 16];      // this thread's rows: tile rows (tid / 8) + 16 i
 #pragma unroll
     for (int i = 0; i < N / 16; ++i) {
       const int r = (tid >> 3) + 16 * i;
-      const uint32_t dst = tokens + r * 128 + ((chunk ^ (r & 7)) << 4);  // the 128-byte swizzle
-      const bf16* src = rows[i] != nullptr ? rows[i] + ks * kTileK + chunk * 8 : p.x;
-      cp_async_16(dst, src, rows[i] != nullptr);
+      row[i] = r < rows ? row_at(r) : nullptr;
     }
-    mbar_arrive_on_cp_async(full);
-    st.advance();
-  }
+    for (int ks = 0; ks < k_steps; ++ks) {
+      pipe_wait(p, g, g.empty(st.stage), st.phase ^ 1u);
+      char* stage = g.stage(st.stage);
+      uint64_t* full = g.full(st.stage);
+      if (tid == 0) {
+        mbar_arrive_expect_tx(full, kStageWeightBytes);
+        issue_weights(stage, full, ks * kTileK);
+      }
+      const uint32_t tokens = smem_addr(stage + kStageWeightBytes);
+#pragma unroll
+      for (int i = 0; i < N / 16; ++i) {
+        const int r = (tid >> 3) + 16 * i;
+        const uint32_t dst = tokens + r * 128 + ((chunk ^ (r & 7)) << 4);  // the 128-byte swizzle
+        const bf16* src = row[i] != nullptr ? row[i] + ks * kTileK + chunk * 8 : p.x;
+        cp_async_16(dst, src, row[i] != nullptr);
+      }
+      mbar_arrive_on_cp_async(full);
+      st.advance();
+    }
+  });
 }
 
 // Consumer side of one tile: acc = this consumer's 64 weight rows x N tokens over K.
@@ -242,9 +250,10 @@ __device__ __noinline__ PipeState mma_tile_to_staging(const Params& p, const Gem
 template <bool kGateUp>
 __device__ __forceinline__ PipeState mma_tile_to_staging(const Params& p, const GemmSmem& g, PipeState st,
                                                          int tile_tokens, int k_steps, bf16* staging) {
-  if (tile_tokens <= 32) return mma_tile_to_staging<kGateUp, 32>(p, g, st, k_steps, staging);
-  if (tile_tokens <= 64) return mma_tile_to_staging<kGateUp, 64>(p, g, st, k_steps, staging);
-  return mma_tile_to_staging<kGateUp, 128>(p, g, st, k_steps, staging);
+  with_tile_tokens(tile_tokens, [&](auto tile) {
+    st = mma_tile_to_staging<kGateUp, decltype(tile)::value>(p, g, st, k_steps, staging);
+  });
+  return st;
 }
 
 }  // namespace flashmoe

@@ -32,22 +32,16 @@ __device__ __noinline__ void produce_gemm0(const Params& p, const GemmSmem& g, c
   for (int index = blockIdx.x; index < total; index += gridDim.x) {
     const Task task = decode_task(table, p.num_local, feature_tiles, index);
     const int* list = expert_list(p, task.expert) + task.first_row;
-    with_tile_tokens(task.tile_tokens, [&](auto tile) {
-      constexpr int N = decltype(tile)::value;
-      const bf16* rows[N / 16];
+    // w13 viewed as [2 E_l][I/8][8][H]: one box = 8 gate rows then the same 8 features' up rows.
+    produce_tile(
+        p, g, st, task.tile_tokens, task.rows, p.hidden_size / kTileK,
+        [&](int r) { return recv + static_cast<int64_t>(ldcg(list + r) >> 4) * p.hidden_size; },
+        [&](char* stage, uint64_t* full, int k0) {
 #pragma unroll
-      for (int i = 0; i < N / 16; ++i) {
-        const int r = (threadIdx.x >> 3) + 16 * i;
-        rows[i] = r < task.rows ? recv + static_cast<int64_t>(ldcg(list + r) >> 4) * p.hidden_size : nullptr;
-      }
-      // w13 viewed as [2 E_l][I/8][8][H]: one box = 8 gate rows then the same 8 features' up rows.
-      produce_tile<N>(p, g, st, rows, p.hidden_size / kTileK, [&](char* stage, uint64_t* full, int k0) {
-#pragma unroll
-        for (int q = 0; q < kGemm0TileFeatures / 8; ++q)
-          tma_load_4d(stage + q * 16 * 128, &p.tmap_w13, full, k0, 0, task.feature_tile * (kGemm0TileFeatures / 8) + q,
-                      2 * task.expert);
-      });
-    });
+          for (int q = 0; q < kGemm0TileFeatures / 8; ++q)
+            tma_load_4d(stage + q * 16 * 128, &p.tmap_w13, full, k0, 0,
+                        task.feature_tile * (kGemm0TileFeatures / 8) + q, 2 * task.expert);
+        });
   }
 }
 
@@ -82,19 +76,13 @@ __device__ __noinline__ void produce_gemm1(const Params& p, const GemmSmem& g, c
   for (int index = blockIdx.x; index < total; index += gridDim.x) {
     const Task task = decode_task(table, p.num_local, feature_tiles, index);
     const int64_t first = table.row_offset[task.expert] + task.first_row;
-    with_tile_tokens(task.tile_tokens, [&](auto tile) {
-      constexpr int N = decltype(tile)::value;
-      const bf16* rows[N / 16];
-#pragma unroll
-      for (int i = 0; i < N / 16; ++i) {
-        const int r = (threadIdx.x >> 3) + 16 * i;
-        rows[i] = r < task.rows ? act + (first + r) * p.intermediate_size : nullptr;
-      }
-      // w2 viewed as [E_l H][I]: one box = the tile's 128 output-feature rows.
-      produce_tile<N>(p, g, st, rows, p.intermediate_size / kTileK, [&](char* stage, uint64_t* full, int k0) {
-        tma_load_2d(stage, &p.tmap_w2, full, k0, task.expert * p.hidden_size + task.feature_tile * kGemm1TileFeatures);
-      });
-    });
+    // w2 viewed as [E_l H][I]: one box = the tile's 128 output-feature rows.
+    produce_tile(
+        p, g, st, task.tile_tokens, task.rows, p.intermediate_size / kTileK,
+        [&](int r) { return act + (first + r) * p.intermediate_size; },
+        [&](char* stage, uint64_t* full, int k0) {
+          tma_load_2d(stage, &p.tmap_w2, full, k0, task.expert * p.hidden_size + task.feature_tile * kGemm1TileFeatures);
+        });
   }
 }
 
