@@ -25,6 +25,9 @@ import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(
+    0, str(REPO / "benchmarks")
+)  # moe_bench: the layer benchmark's serving-mode and timing pieces
 os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(8 << 30))
 for k, v in {
     "NCCL_NVLS_ENABLE": "0",
@@ -35,6 +38,9 @@ for k, v in {
 
 from flashmoe import ExpertPlacement, FlashMoE, MoELayerSpec  # noqa: E402
 from flashmoe.reference import moe_oracle_fp64, moe_reference  # noqa: E402
+from moe_bench.results import git_commit  # noqa: E402
+from moe_bench.serving import capture, l2_bytes, layers_for  # noqa: E402
+from moe_bench.timing import CallTimes  # noqa: E402
 from tolerances import (  # noqa: E402
     ORACLE_REL_FRO,
     ORACLE_ROW_REL,
@@ -173,29 +179,22 @@ def check(gen, device, only: int | None = None) -> list[dict]:
     return rows
 
 
-def graph_times(fn, replays: int) -> list[float]:
-    """Capture fn() once into a graph; per-replay times (s) from events."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()  # warm-up outside capture (JIT, buffers)
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
+def graph_times(fn, device, replays: int) -> CallTimes:
+    """fn() captured once as a CUDA graph (moe_bench.serving.capture: warm-up outside the capture); the time of
+    each replay from events."""
+    (replay,), _ = capture([fn], device)
     for _ in range(3):
-        g.replay()
-    torch.cuda.synchronize()
+        replay()
+    torch.cuda.synchronize(device)
     times = []
     for _ in range(replays):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        g.replay()
+        replay()
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b) * 1e-3)
-    return times
+    return CallTimes(times)
 
 
 def phase_breakdown(layer_id: int) -> dict[str, float]:
@@ -227,28 +226,16 @@ def phase_breakdown(layer_id: int) -> dict[str, float]:
     }
 
 
-def git_commit() -> str | None:
-    import subprocess
-
-    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    return done.stdout.strip() or None if done.returncode == 0 else None
-
-
 def build_info() -> str:
     from flashmoe import build
 
     return build.load().build_info()
 
 
-def pct(xs, q):
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
-
-
-def time_case(shape, T, gen, device, l2_bytes, replays) -> dict:
+def time_case(shape, T, gen, device, l2, replays) -> dict:
     E, k, H, I = SHAPES[shape]
     weight_bytes = E * 3 * H * I * 2
-    L = max(4, -(-4 * l2_bytes // weight_bytes))
+    L = layers_for(weight_bytes, l2, min_layers=4)
     moe = layer(shape)
     layers = []
     for _ in range(L):
@@ -275,9 +262,9 @@ def time_case(shape, T, gen, device, l2_bytes, replays) -> dict:
             a = F.silu(h[:, :I]) * h[:, I:]
             torch._grouped_mm(a, lay["w2"].transpose(1, 2), offs=lay["offs"])
 
-    fm = [t / L for t in graph_times(run_flashmoe, replays)]
+    fm = CallTimes([t / L for t in graph_times(run_flashmoe, device, replays).seconds])
     phases = phase_breakdown(moe.layer_id)
-    gm = [t / L for t in graph_times(run_grouped, replays)]
+    gm = CallTimes([t / L for t in graph_times(run_grouped, device, replays).seconds])
     flops = 6 * pairs * H * I
     touched = sum(int((lay["offs"].diff(prepend=lay["offs"].new_zeros(1)) > 0).sum()) for lay in layers) / L
     floor_hbm = touched * 3 * H * I * 2 / 4.3e12
@@ -288,8 +275,8 @@ def time_case(shape, T, gen, device, l2_bytes, replays) -> dict:
         layers=L,
         pairs=pairs,
         experts_touched=touched,
-        flashmoe_us=[pct(fm, q) * 1e6 for q in (0.1, 0.5, 0.9)],
-        grouped_mm_us=[pct(gm, q) * 1e6 for q in (0.1, 0.5, 0.9)],
+        flashmoe_us=[fm.quantile(q) * 1e6 for q in (0.1, 0.5, 0.9)],
+        grouped_mm_us=[gm.quantile(q) * 1e6 for q in (0.1, 0.5, 0.9)],
         floor_us=max(floor_hbm, floor_mma) * 1e6,
         phases_us=phases,
     )
@@ -323,7 +310,7 @@ def main():
         seed=args.seed,
         device=torch.cuda.get_device_name(device),
         torch=torch.__version__,
-        commit=args.commit or git_commit(),
+        commit=args.commit or git_commit(REPO)[0],
         command=" ".join(sys.argv),
         build=build_info(),
     )
@@ -335,7 +322,7 @@ def main():
     result["checks"] = check(gen, device, args.case)
     result["check_seconds"] = time.time() - t0
     if not args.check_only:
-        l2 = torch.cuda.get_device_properties(device).L2_cache_size
+        l2 = l2_bytes(device)
         result["timings"] = [time_case(s, t, gen, device, l2, args.replays) for s, t in TIMINGS]
     Path(args.out).write_text(json.dumps(result, indent=1))
     failed = [c for c in result["checks"] if not c["ok"]]
