@@ -26,7 +26,8 @@ logger = logging.getLogger("flashmoe")
 class SymmetricBuffers:
     def __init__(self, ops, capacity: Capacity, rank: int, device: torch.device):
         self.ops, self.capacity, self.rank, self.device = ops, capacity, rank, device
-        self.sym_bytes, self.workspace_bytes = ops.capacity_bytes(capacity.as_list())
+        self.capacity_list = capacity.as_list()  # what every launch passes: built once, not per call
+        self.sym_bytes, self.workspace_bytes = ops.capacity_bytes(self.capacity_list)
         self.sym_ptr = ops.symmetric_alloc(self.sym_bytes)  # collective, zeroed: signals start at epoch 0
         with torch.cuda.device(device):
             # Counters start at 0 and are reset by the kernel itself after each call: zeroed once, never again.

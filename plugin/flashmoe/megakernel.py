@@ -14,7 +14,7 @@ import torch
 
 from . import buffers as _buffers
 from . import build, config
-from .contract import PHASES, STATUS_FIELDS, STATUS_OK, Capacity, RuntimeArgs
+from .contract import PHASES, STATUS_OK, STATUS_WORDS, Capacity, RuntimeArgs
 from .errors import FlashMoETimeoutError
 from .placement import ExpertPlacement
 from .spec import MoELayerSpec
@@ -59,6 +59,7 @@ class MegaKernelLayer:
         self.runtime = RuntimeArgs(rank=rank, world_size=world, num_experts=spec.num_experts, force_put=int(self.force_put),
                                    layer_id=layer_id, metrics=int(self.metrics), num_blocks=self.num_blocks,
                                    timeout_ns=self.timeout_ns)
+        self.runtime_list = self.runtime.as_list()  # fixed for the layer's life: built once, not per call
 
     @property
     def buffers(self) -> _buffers.SymmetricBuffers:
@@ -74,15 +75,14 @@ class MegaKernelLayer:
         b = self.buffers
         self.ops.moe_forward(
             x, topk_ids, topk_weights, w13, w2, self.expert_rank, self.expert_local, out, b.workspace, b.status,
-            b.metrics_ring, b.metrics_totals, b.sym_ptr, b.capacity.as_list(), self.runtime.as_list(),
+            b.metrics_ring, b.metrics_totals, b.sym_ptr, b.capacity_list, self.runtime_list,
             torch.cuda.current_stream(self.device).cuda_stream,
         )
         return out
 
 
 def describe_status(status: torch.Tensor) -> str | None:
-    s = dict(zip(STATUS_FIELDS, (int(v) for v in status.tolist()), strict=False))
-    code, rank, peer, phase, detail, epoch, observed, block = (s[f] for f in STATUS_FIELDS)
+    code, rank, peer, phase, detail, epoch, observed, block = (int(v) for v in status.tolist()[:STATUS_WORDS])
     if code == STATUS_OK:
         return None
     what = PHASES.get(phase, f"phase {phase}")
