@@ -20,7 +20,7 @@ import torch
 from . import config, metrics, validation
 from .backend import MEGAKERNEL, REFERENCE, select_backend
 from .placement import ExpertPlacement
-from .reference import moe_reference_distributed
+from .reference import _reference_distributed_impl, _reference_impl
 from .spec import MoELayerSpec
 
 logger = logging.getLogger("flashmoe")
@@ -84,12 +84,11 @@ class FlashMoE:
         if on_gpu:
             return self._kernel.forward(hidden_states, topk_ids, topk_weights, w13, w2, out)
         t0 = time.perf_counter()
+        # The reference implementations without their own input checks: check_call above made them.
         if self.world_size == 1:
-            from .reference import _reference_impl
-
             result = _reference_impl(hidden_states, topk_ids, topk_weights, w13, w2, self.placement, torch.float32, hidden_states.dtype)
         else:
-            result = moe_reference_distributed(hidden_states, topk_ids, topk_weights, w13, w2, self.placement, self.group)
+            result = _reference_distributed_impl(hidden_states, topk_ids, topk_weights, w13, w2, self.placement, self.group)
         metrics.record_host_call(self.layer_id, time.perf_counter() - t0, hidden_states.shape[0])
         if out is not None:
             out.copy_(result)

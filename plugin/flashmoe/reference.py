@@ -143,10 +143,17 @@ def moe_reference_distributed(
     import torch.distributed as dist
 
     world_size = dist.get_world_size(group)
-    rank = dist.get_rank(group)
     if placement.world_size != world_size:
         raise ValueError(f"placement is for {placement.world_size} ranks but the group has {world_size}")
-    validation.check_call(hidden_states, topk_ids, topk_weights, w13, w2, placement, rank)
+    validation.check_call(hidden_states, topk_ids, topk_weights, w13, w2, placement, dist.get_rank(group))
+    return _reference_distributed_impl(hidden_states, topk_ids, topk_weights, w13, w2, placement, group)
+
+
+def _reference_distributed_impl(hidden_states, topk_ids, topk_weights, w13, w2, placement, group) -> torch.Tensor:
+    """moe_reference_distributed without the input checks (FlashMoE has made them already)."""
+    import torch.distributed as dist
+
+    world_size = dist.get_world_size(group)
     x = hidden_states
     dev = x.device
     T, k = topk_ids.shape
