@@ -57,14 +57,16 @@ CUtensorMap bf16_tile_map(const void* base, const cuuint64_t (&dims)[Rank], cons
   return map;
 }
 
-// w13 [E_l, 2I, H] as [2 E_l][I/8][8][H]: one box (64 k, 8 rows, 1 group, gate+up) is 8 gate rows followed by
-// the up rows of the same 8 features, the row order store_swiglu expects.
+// w13 [E_l, 2I, H] as [E_l][I/8][2][8][H] (dims innermost first: k, row in group, gate/up, group, expert;
+// the gate/up stride I*H is larger than the group stride 8*H, which TMA allows). One box (64 k, 8 rows,
+// gate+up, 8 groups) is a whole 16 KiB stage: for each of 8 groups of 8 features, their 8 gate rows then
+// their 8 up rows, the row order store_swiglu expects.
 CUtensorMap w13_map(const void* w13, int num_local, int hidden_size, int intermediate_size) {
   const cuuint64_t H = hidden_size, I = intermediate_size;
-  const cuuint64_t dims[4] = {H, 8, I / 8, 2ull * num_local};
-  const cuuint64_t strides[3] = {H * 2, 8 * H * 2, I * H * 2};
-  const cuuint32_t box[4] = {kTileK, 8, 1, 2};
-  return bf16_tile_map<4>(w13, dims, strides, box, "w13");
+  const cuuint64_t dims[5] = {H, 8, 2, I / 8, static_cast<cuuint64_t>(num_local)};
+  const cuuint64_t strides[4] = {H * 2, I * H * 2, 8 * H * 2, 2 * I * H * 2};
+  const cuuint32_t box[5] = {kTileK, 8, 2, kGemm0TileFeatures / 8, 1};
+  return bf16_tile_map<5>(w13, dims, strides, box, "w13");
 }
 
 // w2 [E_l, H, I] as [E_l H][I]: one box is the 128 output-feature rows of a GEMM1 tile.
@@ -201,8 +203,9 @@ void launch(const LaunchArgs& a, const Capacity& cap, cudaStream_t stream) {
 
 std::string build_info() {
  return std::string("flashmoe megakernel: wgmma bf16 swap-AB, ") + std::to_string(kTileWeightRows) +
-         " weight rows x 32/64/128 tokens x " + std::to_string(kTileK) + " k, " + std::to_string(kStages) +
-         " TMA stages, stress_delay_ns=" + std::to_string(FLASHMOE_STRESS_DELAY_NS) + ", NVSHMEM " +
+         " weight rows x 32/64/128 tokens x " + std::to_string(kTileK) + " k, " + std::to_string(stages_for(32)) +
+         "/" + std::to_string(stages_for(64)) + "/" + std::to_string(stages_for(128)) +
+         " TMA stages, dynamic task queue, stress_delay_ns=" + std::to_string(FLASHMOE_STRESS_DELAY_NS) + ", NVSHMEM " +
          std::to_string(NVSHMEM_VENDOR_MAJOR_VERSION) + "." + std::to_string(NVSHMEM_VENDOR_MINOR_VERSION) + "." +
          std::to_string(NVSHMEM_VENDOR_PATCH_VERSION);
 }

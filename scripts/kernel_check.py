@@ -295,6 +295,12 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="kernel_check.json")
     ap.add_argument("--check-only", action="store_true")
+    ap.add_argument("--time-only", action="store_true", help="skip the checks (for timing experiments only)")
+    ap.add_argument(
+        "--timings",
+        default="",
+        help="shape:T,T;shape:T... instead of the default timing cases, e.g. qwen3-30b/ep4:1,8,128",
+    )
     ap.add_argument("--case", type=int, default=None, help="run only this check case (index into CHECKS)")
     ap.add_argument("--adhoc", default="", help="E,k,H,I,T,routing: check this one case only")
     ap.add_argument("--replays", type=int, default=50)
@@ -319,7 +325,14 @@ def main():
         E, k, H, I, T, kind = args.adhoc.split(",")
         SHAPES["adhoc"] = (int(E), int(k), int(H), int(I))
         CHECKS[:] = [("adhoc", int(T), kind)]
-    result["checks"] = check(gen, device, args.case)
+    if args.timings:
+        TIMINGS[:] = [
+            (shape, int(t))
+            for part in args.timings.split(";")
+            for shape, tokens in [part.split(":")]
+            for t in tokens.split(",")
+        ]
+    result["checks"] = [] if args.time_only else check(gen, device, args.case)
     result["check_seconds"] = time.time() - t0
     if not args.check_only:
         l2 = l2_bytes(device)

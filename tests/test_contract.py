@@ -29,7 +29,7 @@ int main() {
 #define VALUE(kind, name) std::printf(kind " %s %lld\n", #name, static_cast<long long>(name));
   VALUE("const", kStatusOk) VALUE("const", kStatusTimeout)
   VALUE("phase", kPhaseDispatchWait) VALUE("phase", kPhaseCombineWait) VALUE("phase", kPhaseGridBarrier)
-  VALUE("phase", kPhaseGemmPipeline)
+  VALUE("phase", kPhaseGemmPipeline) VALUE("phase", kPhaseExpertReady)
   VALUE("ring", kRingSeq) VALUE("ring", kRingLayerId) VALUE("ring", kRingStartNs) VALUE("ring", kRingEndNs)
   VALUE("ring", kRingBusyNs) VALUE("ring", kRingBlocksDone) VALUE("ring", kRingNumBlocks)
   VALUE("ring", kRingTokensIn) VALUE("ring", kRingRowsDispatched) VALUE("ring", kRingRowsReceived)
@@ -83,7 +83,13 @@ def test_struct_fields_in_order(header):
 
 def test_phases_and_status_codes(header):
     phases = {_snake(n).removeprefix("PHASE_"): v for n, v in header["phase"]}
-    assert phases == {"DISPATCH_WAIT": 1, "COMBINE_WAIT": 2, "GRID_BARRIER": 3, "GEMM_PIPELINE": 4}
+    assert phases == {
+        "DISPATCH_WAIT": 1,
+        "COMBINE_WAIT": 2,
+        "GRID_BARRIER": 3,
+        "GEMM_PIPELINE": 4,
+        "EXPERT_READY": 5,
+    }
     for name, value in phases.items():
         assert getattr(contract, f"PHASE_{name}") == value
     assert set(contract.PHASES) == set(phases.values())  # every phase has a message

@@ -3,6 +3,10 @@
 // y[t,j] was written into our combine buffer by the rank owning expert topk_ids[t,j]. The fixed order and the
 // absence of atomics make the output bitwise reproducible. Every row of `out` is written (zeros if no slot
 // is valid).
+//
+// One warp per (token, 256-column chunk), chunks of a token on neighbouring items, items spread over the
+// blocks first: a decode call's few tokens still use many SMs, and each lane has the rows of all (up to 8)
+// slots in flight at once instead of one dependent load after another.
 #pragma once
 
 #include "common.cuh"
@@ -10,16 +14,22 @@
 
 namespace flashmoe {
 
+constexpr int kCombineColumns = 32 * 8;  // a warp's chunk: 8 bf16 per lane
+constexpr int kCombineBatch = 8;         // slot rows loaded before their multiply-adds
+
 __device__ void combine_tokens(const Params& p) {
   const int lane = threadIdx.x & 31;
   const int warps_total = gridDim.x * kWarps;
-  const int warp_global = blockIdx.x * kWarps + (threadIdx.x >> 5);
+  const int warp_global = (threadIdx.x >> 5) * gridDim.x + blockIdx.x;
   const int k = p.top_k, H = p.hidden_size;
+  const int chunks = ceil_div(H, kCombineColumns);
+  const int items = p.num_tokens * chunks;
   const bf16* rows = sym_ptr<bf16>(p, p.sym_off.combine_rows);
-  for (int t = warp_global; t < p.num_tokens; t += warps_total) {
-    // Lane j holds slot j's weight (0 for skipped slots). Broadcast every slot's weight once, before the column
-    // loop: lanes run different numbers of column steps when H is not a multiple of 256, so no warp-wide
-    // shuffle may sit inside that loop.
+  for (int item = warp_global; item < items; item += warps_total) {
+    const int t = item / chunks;
+    const int c = (item - t * chunks) * kCombineColumns + lane * 8;
+    // Lane j holds slot j's weight (0 for skipped slots); every slot's weight and source row are broadcast
+    // before the column work, which only some lanes do when H is not a multiple of 256 (no shuffle there).
     const int id = lane < k ? __ldg(p.topk_ids + static_cast<int64_t>(t) * k + lane) : -1;
     const bool routed = id >= 0 && id < p.num_experts;  // same rule as dispatch
     const float w = routed ? __ldg(p.topk_weights + static_cast<int64_t>(t) * k + lane) : 0.f;
@@ -33,28 +43,34 @@ __device__ void combine_tokens(const Params& p) {
       weight[j] = __shfl_sync(0xffffffffu, w, j);
       source[j] = __shfl_sync(0xffffffffu, first_twin, j);
     }
-    for (int c = lane * 8; c < H; c += 32 * 8) {
-      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    if (c >= H) continue;
+    const bf16* token_rows = rows + static_cast<int64_t>(t) * k * H + c;
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-      for (int j = 0; j < kMaxTopK; ++j) {
-        if (j >= k) break;
-        if (!(valid >> j & 1u)) continue;
-        const float wj = weight[j];
-        const uint4 v = ldcg(reinterpret_cast<const uint4*>(rows + (static_cast<int64_t>(t) * k + source[j]) * H + c));
-        const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(&v);
+    for (int j0 = 0; j0 < kMaxTopK; j0 += kCombineBatch) {
+      if (j0 >= k) break;
+      uint4 v[kCombineBatch];
+#pragma unroll
+      for (int j = 0; j < kCombineBatch; ++j)  // all loads first: up to 8 rows in flight per lane
+        if (j0 + j < k && (valid >> (j0 + j) & 1u))
+          v[j] = ldcg(reinterpret_cast<const uint4*>(token_rows + static_cast<int64_t>(source[j0 + j]) * H));
+#pragma unroll
+      for (int j = 0; j < kCombineBatch; ++j) {
+        if (!(j0 + j < k && (valid >> (j0 + j) & 1u))) continue;
+        const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(&v[j]);
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
           const float2 f = __bfloat1622float2(h2[q]);
-          acc[2 * q] = fmaf(wj, f.x, acc[2 * q]);
-          acc[2 * q + 1] = fmaf(wj, f.y, acc[2 * q + 1]);
+          acc[2 * q] = fmaf(weight[j0 + j], f.x, acc[2 * q]);
+          acc[2 * q + 1] = fmaf(weight[j0 + j], f.y, acc[2 * q + 1]);
         }
       }
-      uint4 o;
-      __nv_bfloat162* o2 = reinterpret_cast<__nv_bfloat162*>(&o);
-#pragma unroll
-      for (int q = 0; q < 4; ++q) o2[q] = __floats2bfloat162_rn(acc[2 * q], acc[2 * q + 1]);
-      *reinterpret_cast<uint4*>(p.out + static_cast<int64_t>(t) * H + c) = o;
     }
+    uint4 o;
+    __nv_bfloat162* o2 = reinterpret_cast<__nv_bfloat162*>(&o);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) o2[q] = __floats2bfloat162_rn(acc[2 * q], acc[2 * q + 1]);
+    *reinterpret_cast<uint4*>(p.out + static_cast<int64_t>(t) * H + c) = o;
   }
 }
 

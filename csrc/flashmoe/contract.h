@@ -70,6 +70,7 @@ enum Phase : int {
   kPhaseCombineWait = 2,   // waiting for a destination rank's combine signal
   kPhaseGridBarrier = 3,   // waiting for the other blocks of this kernel
   kPhaseGemmPipeline = 4,  // a GEMM pipeline stage of this block never filled or drained (a kernel bug)
+  kPhaseExpertReady = 5,   // an expert's GEMM0 tiles (other blocks of this kernel) never all finished (a kernel bug)
 };
 
 // ---- Metrics ring: one record of kRingFields int64 per call, slot = epoch % kRingSlots.
@@ -89,8 +90,8 @@ enum RingField : int {
   // When the last block finished each phase (%globaltimer, max over blocks): where a call's time goes.
   kRingDispatchEndNs = 12,
   kRingReceiveEndNs = 13,
-  kRingGemm0EndNs = 14,
-  kRingGemm1EndNs = 15,
+  kRingGemm0EndNs = 14,     // the last GEMM0 tile (GEMM1 tiles of finished experts may already run)
+  kRingGemm1EndNs = 15,     // every GEMM tile
 };
 constexpr int kRingSlots = 4096;
 constexpr int kRingFields = 16;

@@ -25,7 +25,6 @@
 
 namespace flashmoe {
 
-constexpr int kStages = 5;
 constexpr int kTileK = 64;               // 64 bf16 = one 128-byte swizzle row
 constexpr int kConsumers = 2;            // consumer warpgroups
 constexpr int kConsumerRows = 64;        // weight rows per consumer (wgmma M)
@@ -33,27 +32,47 @@ constexpr int kTileWeightRows = kConsumers * kConsumerRows;
 constexpr int kMaxTileTokens = 128;
 constexpr int kProducerThreads = 128;
 constexpr int kStageWeightBytes = kTileWeightRows * kTileK * 2;  // 16 KiB
-constexpr int kStageTokenBytes = kMaxTileTokens * kTileK * 2;    // 16 KiB
-constexpr int kStageBytes = kStageWeightBytes + kStageTokenBytes;
 constexpr int kFullArrivals = 1 + kProducerThreads;  // TMA expect-tx + every producer thread's cp.async
 constexpr int kEmptyArrivals = kConsumers * 4;       // every consumer warp
 // Epilogue staging, per consumer: [token][feature] bf16, rows padded by 16 B to spread banks.
 constexpr int kStagingStride = kConsumerRows + 8;
-constexpr int kStagingBytes = kMaxTileTokens * kStagingStride * 2;
 
 static_assert(kThreads == kProducerThreads + kConsumers * 128, "one producer and two consumer warpgroups");
 static_assert(kConsumers * kConsumerRows == kHiddenMultiple, "GEMM1 output tile = H step");
 static_assert(kConsumers * kConsumerRows / 2 == kInterMultiple, "GEMM0 output tile (gate+up rows) = I step");
 static_assert(kTileK == kInterMultiple, "GEMM1 K step");
 
-// Dynamic shared memory, carved from a 1024-byte aligned base (the 128-byte swizzle needs it).
-constexpr int kStagesOffset = 0;
-constexpr int kStagingOffset = kStagesOffset + kStages * kStageBytes;
-constexpr int kRowDstOffset = kStagingOffset + kConsumers * kStagingBytes;             // int64 [2][128]
-constexpr int kRowRankOffset = kRowDstOffset + kConsumers * kMaxTileTokens * 8;       // int [2][128]
-constexpr int kBarrierOffset = kRowRankOffset + kConsumers * kMaxTileTokens * 4;      // u64 [2][kStages]
-constexpr int kGemmSmemUsed = kBarrierOffset + 2 * kStages * 8;
-constexpr int kGemmSmemBytes = kGemmSmemUsed + 1024;  // alignment slack of the dynamic base
+// Dynamic shared memory, carved from a 1024-byte aligned base (the 128-byte swizzle needs it):
+//   [barriers | task slots | row tables]  4 KiB
+//   [stage pool ........................ | epilogue staging]
+// A stage holds 16 KiB of weights and N x 128 B of token rows, so its size follows the tile's token count N:
+// decode tiles (N = 32) get 10 stages (160 KiB of weights in flight per SM), N = 64 8, N = 128 5. The epilogue
+// staging (N rows per consumer) sits at the top of the pool. Tiles of another N re-carve the pool after a
+// full drain (see PipeState::enter).
+constexpr int kMaxStages = 10;
+constexpr int kTaskSlots = 4;  // tasks fetched ahead by the producer (tasks.cuh)
+constexpr int kGemmSmemBytes = 218 * 1024;  // + ~7 KiB static (scheduler tables) stays within 227 KiB
+constexpr int kFullOffset = 0;                                          // u64 [kMaxStages]
+constexpr int kEmptyOffset = kFullOffset + kMaxStages * 8;              // u64 [kMaxStages]
+constexpr int kTaskFullOffset = kEmptyOffset + kMaxStages * 8;          // u64 [kTaskSlots]
+constexpr int kTaskEmptyOffset = kTaskFullOffset + kTaskSlots * 8;      // u64 [kTaskSlots]
+constexpr int kTaskIndexOffset = kTaskEmptyOffset + kTaskSlots * 8;     // int [kTaskSlots]
+constexpr int kRowDstOffset = 1024;                                     // int64 [2][128]
+constexpr int kRowRankOffset = kRowDstOffset + kConsumers * kMaxTileTokens * 8;  // int [2][128]
+constexpr int kPoolOffset = 4096;
+constexpr int kPoolBytes = kGemmSmemBytes - 1024 /* alignment slack of the dynamic base */ - kPoolOffset;
+static_assert(kTaskIndexOffset + kTaskSlots * 4 <= kRowDstOffset, "barrier area");
+static_assert(kRowRankOffset + kConsumers * kMaxTileTokens * 4 <= kPoolOffset, "row tables");
+
+__host__ __device__ constexpr int stage_bytes(int n) { return kStageWeightBytes + n * kTileK * 2; }
+__host__ __device__ constexpr int staging_bytes(int n) { return kConsumers * n * kStagingStride * 2; }
+__host__ __device__ constexpr int stages_for(int n) {
+  return (kPoolBytes - staging_bytes(n)) / stage_bytes(n) < kMaxStages ? (kPoolBytes - staging_bytes(n)) / stage_bytes(n)
+                                                                       : kMaxStages;
+}
+static_assert(stages_for(32) == 10 && stages_for(64) == 8 && stages_for(128) == 5, "stage counts per tile width");
+static_assert(stage_bytes(32) % 1024 == 0 && stage_bytes(64) % 1024 == 0 && stage_bytes(128) % 1024 == 0,
+              "stages stay 1024-byte aligned");
 
 struct GemmSmem {
   char* base;
@@ -63,9 +82,9 @@ struct GemmSmem {
     const uintptr_t a = (reinterpret_cast<uintptr_t>(dynamic_smem) + 1023) & ~static_cast<uintptr_t>(1023);
     return GemmSmem{reinterpret_cast<char*>(a), epoch};
   }
-  __device__ char* stage(int s) const { return base + kStagesOffset + s * kStageBytes; }
-  __device__ bf16* staging(int consumer) const {
-    return reinterpret_cast<bf16*>(base + kStagingOffset + consumer * kStagingBytes);
+  __device__ char* stage(int s, int n) const { return base + kPoolOffset + s * stage_bytes(n); }
+  __device__ bf16* staging(int consumer, int n) const {
+    return reinterpret_cast<bf16*>(base + kPoolOffset + kPoolBytes - staging_bytes(n)) + consumer * n * kStagingStride;
   }
   __device__ int64_t* row_dst(int consumer) const {
     return reinterpret_cast<int64_t*>(base + kRowDstOffset) + consumer * kMaxTileTokens;
@@ -73,40 +92,36 @@ struct GemmSmem {
   __device__ int* row_rank(int consumer) const {
     return reinterpret_cast<int*>(base + kRowRankOffset) + consumer * kMaxTileTokens;
   }
-  __device__ uint64_t* full(int s) const { return reinterpret_cast<uint64_t*>(base + kBarrierOffset) + s; }
-  __device__ uint64_t* empty(int s) const { return reinterpret_cast<uint64_t*>(base + kBarrierOffset) + kStages + s; }
+  __device__ uint64_t* full(int s) const { return reinterpret_cast<uint64_t*>(base + kFullOffset) + s; }
+  __device__ uint64_t* empty(int s) const { return reinterpret_cast<uint64_t*>(base + kEmptyOffset) + s; }
+  __device__ uint64_t* task_full(int s) const { return reinterpret_cast<uint64_t*>(base + kTaskFullOffset) + s; }
+  __device__ uint64_t* task_empty(int s) const { return reinterpret_cast<uint64_t*>(base + kTaskEmptyOffset) + s; }
+  __device__ int* task_index(int s) const { return reinterpret_cast<int*>(base + kTaskIndexOffset) + s; }
 
   // Thread 0, once per launch, before the first __syncthreads.
   __device__ void init_barriers() const {
-    for (int s = 0; s < kStages; ++s) {
+    for (int s = 0; s < kMaxStages; ++s) {
       mbar_init(full(s), kFullArrivals);
       mbar_init(empty(s), kEmptyArrivals);
+    }
+    for (int s = 0; s < kTaskSlots; ++s) {
+      mbar_init(task_full(s), 1);                 // the producer's thread 0 publishes a task index
+      mbar_init(task_empty(s), kThreads - 1);     // every other thread has read it
     }
     mbar_init_fence();
   }
 };
 
-// Position in the stage ring; producer and consumers advance identical copies (same tiles, same K steps).
-struct PipeState {
-  int stage = 0;
-  uint32_t phase = 0;
-  __device__ void advance() {
-    if (++stage == kStages) {
-      stage = 0;
-      phase ^= 1u;
-    }
-  }
-};
-
 // Bounded wait on a pipeline barrier: a stall here is a kernel bug, reported like any other timeout (detail:
 // the barrier's byte offset in the GEMM area and the thread; observed: the parity waited for).
-__device__ __forceinline__ void pipe_wait(const Params& p, const GemmSmem& g, uint64_t* bar, uint32_t parity) {
+__device__ __forceinline__ void pipe_wait(const Params& p, const GemmSmem& g, uint64_t* bar, uint32_t parity,
+                                          bool give_up_on_abort = true) {
   if (mbar_try_wait(bar, parity)) return;
   const uint64_t start = globaltimer_ns();
   uint32_t spins = 0;
   while (!mbar_try_wait(bar, parity)) {
     if ((++spins & 15) == 0) {
-      if (aborted(p)) return;
+      if (give_up_on_abort && aborted(p)) return;
       if (globaltimer_ns() - start > p.timeout_ns) {
         const int64_t where = reinterpret_cast<char*>(bar) - g.base;
         record_timeout(p, kPhaseGemmPipeline, -1, (static_cast<int64_t>(threadIdx.x) << 32) | where, g.epoch, parity);
@@ -115,6 +130,35 @@ __device__ __forceinline__ void pipe_wait(const Params& p, const GemmSmem& g, ui
     }
   }
 }
+
+// Whole-block named barrier of the GEMM phases (id 3; 0 is __syncthreads, 1-2 the consumers').
+__device__ __forceinline__ void gemm_block_sync() { asm volatile("bar.sync 3, %0;\n" ::"n"(kThreads) : "memory"); }
+
+// Position in the stage ring for the current tile width; producer and consumers advance identical copies
+// (same tiles, same K steps). Each barrier's parity is tracked on its own, since the ring length changes
+// with the tile width.
+struct PipeState {
+  int stage = 0;
+  int num_stages = 0;
+  int tile_tokens = 0;      // N the pool is carved for; 0 before the first tile
+  uint32_t parity = 0;      // bit s: how many times stage s was used, mod 2
+
+  // At the start of every tile (producer and consumers alike): a tile of another width re-carves the pool.
+  // Both sides then meet at a block barrier: the consumers arrive after the previous tile's epilogue, the
+  // producer after issuing that tile's loads, so no stage or staging byte of the old carving is in use.
+  __device__ void enter(int n) {
+    if (n == tile_tokens) return;
+    gemm_block_sync();
+    tile_tokens = n;
+    num_stages = stages_for(n);
+    stage = 0;
+  }
+  __device__ uint32_t phase() const { return parity >> stage & 1u; }
+  __device__ void advance() {
+    parity ^= 1u << stage;
+    if (++stage == num_stages) stage = 0;
+  }
+};
 
 // Token tile for an expert with `rows` rows: the smallest that holds them, else 128-row tiles.
 __host__ __device__ constexpr int tile_tokens_for(int rows) { return rows <= 32 ? 32 : rows <= 64 ? 64 : 128; }
@@ -130,11 +174,13 @@ __device__ __forceinline__ void with_tile_tokens(int n, F&& f) {
 // Producer side of one tile of `n` tokens (a tile_tokens_for width), `rows` of them valid.
 // `row_at(r)` is the start of token row r (r < rows; the rest are zero-filled); `issue_weights(stage,
 // full_barrier, k0)` issues the TMA loads of the stage's 128 weight rows (kStageWeightBytes in total).
+// All 128 producer threads call it with the same arguments.
 template <typename RowAt, typename IssueWeights>
 __device__ __forceinline__ void produce_tile(const Params& p, const GemmSmem& g, PipeState& st, int n, int rows,
                                              int k_steps, RowAt row_at, IssueWeights issue_weights) {
   with_tile_tokens(n, [&](auto tile) {
     constexpr int N = decltype(tile)::value;
+    st.enter(N);
     const int tid = threadIdx.x;  // 0..127
     const int chunk = tid & 7;    // 16-byte chunk of the 128-byte row
     const bf16* row[N / 16];      // this thread's rows: tile rows (tid / 8) + 16 i
@@ -144,8 +190,8 @@ __device__ __forceinline__ void produce_tile(const Params& p, const GemmSmem& g,
       row[i] = r < rows ? row_at(r) : nullptr;
     }
     for (int ks = 0; ks < k_steps; ++ks) {
-      pipe_wait(p, g, g.empty(st.stage), st.phase ^ 1u);
-      char* stage = g.stage(st.stage);
+      pipe_wait(p, g, g.empty(st.stage), st.phase() ^ 1u);
+      char* stage = g.stage(st.stage, N);
       uint64_t* full = g.full(st.stage);
       if (tid == 0) {
         mbar_arrive_expect_tx(full, kStageWeightBytes);
@@ -174,9 +220,9 @@ __device__ __forceinline__ void consume_tile(const Params& p, const GemmSmem& g,
   int previous = -1;
   int ks = 0;
   do {  // k_steps >= 1 (K is a multiple of kTileK); a do-loop keeps ptxas's wgmma pipeline analysis simple
-    pipe_wait(p, g, g.full(st.stage), st.phase);
+    pipe_wait(p, g, g.full(st.stage), st.phase());
     fence_proxy_async();  // the token rows arrived through cp.async (generic proxy)
-    const uint32_t stage = smem_addr(g.stage(st.stage));
+    const uint32_t stage = smem_addr(g.stage(st.stage, N));
     const uint64_t a = sw128_desc(stage + consumer * kConsumerRows * 128);
     const uint64_t b = sw128_desc(stage + kStageWeightBytes);
     wgmma_fence();
@@ -232,8 +278,9 @@ __device__ __forceinline__ void store_plain(const float (&acc)[N / 2], bf16* sta
   }
 }
 
-// The one entry point of the consumer side: run a tile's mainloop and leave its bf16 rows in `staging`
-// ([token][feature], kStagingStride apart): SwiGLU'd features 0..31 for a gate/up tile, else features 0..63.
+// The one entry point of the consumer side: run a tile's mainloop and leave its bf16 rows in the consumer's
+// staging area ([token][feature], kStagingStride apart; returned): SwiGLU'd features 0..31 for a gate/up tile,
+// else features 0..63. The caller copies them out and calls consumer_sync before the next tile.
 // A separate function without calls: ptxas serialises the wgmmas of a function that calls device code.
 // Smem layout and pipeline state travel by value, so the mainloop keeps them in registers; one function per
 // tile shape keeps ptxas's wgmma pipeline analysis to one accumulator set.
@@ -248,12 +295,16 @@ __device__ __noinline__ PipeState mma_tile_to_staging(const Params& p, const Gem
 }
 
 template <bool kGateUp>
-__device__ __forceinline__ PipeState mma_tile_to_staging(const Params& p, const GemmSmem& g, PipeState st,
-                                                         int tile_tokens, int k_steps, bf16* staging) {
+__device__ __forceinline__ bf16* mma_tile_to_staging(const Params& p, const GemmSmem& g, PipeState& st,
+                                                     int tile_tokens, int k_steps) {
+  bf16* staging = nullptr;
   with_tile_tokens(tile_tokens, [&](auto tile) {
-    st = mma_tile_to_staging<kGateUp, decltype(tile)::value>(p, g, st, k_steps, staging);
+    constexpr int N = decltype(tile)::value;
+    st.enter(N);
+    staging = g.staging(threadIdx.x / 128 - 1, N);
+    st = mma_tile_to_staging<kGateUp, N>(p, g, st, k_steps, staging);
   });
-  return st;
+  return staging;
 }
 
 }  // namespace flashmoe

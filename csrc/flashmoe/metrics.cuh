@@ -24,11 +24,16 @@ __device__ __forceinline__ int64_t* ring_record(const Params& p, uint32_t epoch)
   return p.metrics_ring + static_cast<int64_t>(epoch % kRingSlots) * kRingFields;
 }
 
-// Thread 0 of every block as it leaves a phase (before the grid barrier): the record keeps the latest.
-__device__ __forceinline__ void mark_phase_end(const Params& p, uint32_t epoch, RingField field) {
-  if (p.metrics && threadIdx.x == 0)
+// The calling thread finished a piece of a phase now: the record keeps the latest such time.
+__device__ __forceinline__ void mark_time(const Params& p, uint32_t epoch, RingField field) {
+  if (p.metrics)
     atomicMax(reinterpret_cast<unsigned long long*>(ring_record(p, epoch)) + field,
               static_cast<unsigned long long>(globaltimer_ns()));
+}
+
+// Thread 0 of every block as it leaves a phase (before the grid barrier).
+__device__ __forceinline__ void mark_phase_end(const Params& p, uint32_t epoch, RingField field) {
+  if (threadIdx.x == 0) mark_time(p, epoch, field);
 }
 
 // Block 0, thread 0, at kernel start: the record is incomplete (seq 0) until the last block publishes it.

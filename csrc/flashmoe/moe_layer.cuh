@@ -3,12 +3,13 @@
 //
 //   1 dispatch     send each token once per destination rank          (source side)
 //   2 receive      wait for all sources, build per-expert row lists   (destination side)
-//   3 GEMM0        SwiGLU(x W13^T) per (expert, feature tile, token tile)
-//   4 GEMM1        act W2^T, rows written into the owners' combine buffers; then signal every source
-//   5 combine      wait for every owner, reduce over top-k slots      (source side)
+//   3 GEMMs        one task queue: GEMM0 tiles SwiGLU(x W13^T), then GEMM1 tiles act W2^T whose rows go
+//                  straight into the owners' combine buffers (an expert's GEMM1 waits for its GEMM0 tiles
+//                  only, not for a grid barrier); then signal every source
+//   4 combine      wait for every owner, reduce over top-k slots      (source side)
 //
-// In the GEMM phases warpgroup 0 produces (TMA, cp.async) and warpgroups 1-2 consume (wgmma); their pipeline
-// state carries over from GEMM0 to GEMM1, so the ring of stages is set up once per launch.
+// In the GEMM phase warpgroup 0 produces (TMA, cp.async) and warpgroups 1-2 consume (wgmma); the ring of
+// stages is set up once per launch and carries over from tile to tile.
 #pragma once
 
 #include "combine.cuh"
@@ -87,38 +88,32 @@ __device__ void moe_layer(const Params& p) {
   mark_phase_end(p, epoch, kRingReceiveEndNs);
   grid_barrier(p, 2, epoch);
 
-  // 3. GEMM0 (+ SwiGLU).
+  // 3-4. GEMM0 (+ SwiGLU) and GEMM1 into the owners' combine buffers, one task queue (scheduler.cuh).
   build_expert_table(p, sh.table);
-  PipeState pipe;
   clock.start();
-  if (producer) produce_gemm0(p, gemm, sh.table, pipe);
-  else consume_gemm0(p, gemm, sh.table, pipe);
-  clock.stop();
-  mark_phase_end(p, epoch, kRingGemm0EndNs);
-  grid_barrier(p, 3, epoch);
-
-  // 4. GEMM1 into the owners' combine buffers.
-  clock.start();
-  if (producer) produce_gemm1(p, gemm, sh.table, pipe);
-  else remote_bytes += consume_gemm1(p, sh.peers, sh.any_proxied, gemm, sh.table, pipe);
+  if (producer) produce_tasks(p, gemm, sh.table);
+  else remote_bytes += consume_tasks(p, sh.peers, sh.any_proxied, gemm, sh.table);
   __threadfence_system();
   clock.stop();
+  __syncthreads();
   mark_phase_end(p, epoch, kRingGemm1EndNs);
-  grid_barrier(p, 4, epoch);
+  grid_barrier(p, 3, epoch);
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     if (sh.any_proxied) nvshmem_quiet();
     for (int r = 0; r < p.world_size; ++r)
       send_signal(p, sh.peers, sym_ptr<uint64_t>(p, p.sym_off.combine_signal) + p.rank, r,
                   static_cast<uint64_t>(epoch) << 32);
-    // Counters for the next call: their last readers finished before barrier 4.
+    // Counters for the next call: their last readers finished before barrier 3.
     uint32_t* send_count = ws_ptr<uint32_t>(p, p.ws_off.rank_send_count);
     for (int r = 0; r < p.world_size; ++r) send_count[r] = 0;
     uint32_t* expert_count = ws_ptr<uint32_t>(p, p.ws_off.expert_count);
-    for (int e = 0; e < p.num_local; ++e) expert_count[e] = 0;
+    uint32_t* gemm0_done = ws_ptr<uint32_t>(p, p.ws_off.gemm0_done);
+    for (int e = 0; e < p.num_local; ++e) expert_count[e] = gemm0_done[e] = 0;
+    *ws_ptr<uint32_t>(p, p.ws_off.task_counter) = 0;
     *ws_ptr<uint32_t>(p, p.ws_off.epoch) = epoch;
   }
 
-  // 5. Combine.
+  // 4. Combine.
   wait_combine(p, epoch);
   clock.start();
   combine_tokens(p);

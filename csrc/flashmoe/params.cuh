@@ -43,7 +43,7 @@ struct Params {
   int64_t expert_rows_stride;  // entries per local expert list (W * max_tokens)
 
   // TMA descriptors of this call's weights (built on the host per launch, see kernel.cu).
-  CUtensorMap tmap_w13;  // w13 as [2 E_l][I/8][8][H]: gate/up rows of 8 features per box
+  CUtensorMap tmap_w13;  // w13 as [E_l][I/8][2][8][H]: one box = a stage's 128 gate/up rows
   CUtensorMap tmap_w2;  // w2 as [E_l H][I]
 
   Status* status;              // host-mapped

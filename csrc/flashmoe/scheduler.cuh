@@ -1,10 +1,19 @@
-// Static task scheduler: after the receive phase every block knows the per-expert row counts, builds the
-// same prefix table in shared memory, and walks a flat task index (blockIdx.x, + gridDim.x, ...).
+// Task scheduler of the GEMM phases. After the receive phase every block knows the per-expert row counts and
+// builds the same prefix table in shared memory. The work is one flat list of tasks:
 //
-// A task is one (expert, feature tile, token tile). Each expert gets the smallest token tile that holds its
-// rows (32, 64, else 128-row tiles), so decode experts with a handful of rows cost one weight pass.
-// Order: expert-major, then feature tile, then token tile fastest, so the token tiles of one weight tile run
-// at the same time on neighbouring blocks and the weights stream from HBM once per layer call.
+//   [0, n0)        GEMM0 tasks: (expert, feature tile of 64 intermediate features, token tile)
+//   [n0, n0 + n1)  GEMM1 tasks: (expert, feature tile of 128 hidden features, token tile)
+//
+// each expert-major, then feature tile, then token tile fastest (the token tiles of one weight tile run at
+// the same time on neighbouring blocks, so weights stream from HBM once per call). Blocks take tasks from
+// one counter per call as they finish earlier ones, so GEMM0 and GEMM1 run without a grid barrier between
+// them and no block idles while another still has a queue. A GEMM1 task waits for its expert's GEMM0 tiles
+// (a per-expert completion counter): by the time the counter reaches an expert's GEMM1 tasks, every GEMM0
+// task has been taken and that expert's were taken first, so the wait is short and cannot deadlock (a block
+// issues all loads of a task before it takes the next).
+//
+// Each expert gets the smallest token tile that holds its rows (32, 64, else 128-row tiles), so decode
+// experts with a handful of rows cost one weight pass.
 #pragma once
 
 #include "common.cuh"
@@ -41,6 +50,7 @@ __device__ void build_expert_table(const Params& p, ExpertTable& t) {
 }
 
 struct Task {
+  int gemm;          // 0 or 1
   int expert;        // local expert
   int feature_tile;  // output feature tile
   int first_row;     // first row of the token tile within the expert's rows
@@ -48,13 +58,35 @@ struct Task {
   int tile_tokens;   // 32, 64 or 128
 };
 
-__device__ __forceinline__ int total_tasks(const ExpertTable& t, int num_local, int feature_tiles) {
-  return t.tile_offset[num_local] * feature_tiles;
+constexpr int kGemm0TileFeatures = kInterMultiple;   // 64 intermediate features (x2 rows: gate and up)
+constexpr int kGemm1TileFeatures = kHiddenMultiple;  // 128 hidden features
+
+struct TaskCounts {
+  int gemm0, total;
+  int feature_tiles[2];  // per GEMM
+};
+
+__device__ __forceinline__ TaskCounts task_counts(const Params& p, const ExpertTable& t) {
+  TaskCounts c;
+  c.feature_tiles[0] = p.intermediate_size / kGemm0TileFeatures;
+  c.feature_tiles[1] = p.hidden_size / kGemm1TileFeatures;
+  c.gemm0 = t.tile_offset[p.num_local] * c.feature_tiles[0];
+  c.total = c.gemm0 + t.tile_offset[p.num_local] * c.feature_tiles[1];
+  return c;
+}
+
+// GEMM0 tile completions an expert's GEMM1 tasks wait for: one per consumer warpgroup per GEMM0 tile.
+__device__ __forceinline__ uint32_t gemm0_arrivals(const TaskCounts& c, const ExpertTable& t, int expert) {
+  return static_cast<uint32_t>(2 * c.feature_tiles[0] * token_tiles(t.count[expert]));
 }
 
 // Flat task index -> task. Binary search for the last expert whose first task is <= index (experts without
 // rows own no task, so the one found has tiles).
-__device__ __forceinline__ Task decode_task(const ExpertTable& t, int num_local, int feature_tiles, int index) {
+__device__ __forceinline__ Task decode_task(const ExpertTable& t, int num_local, const TaskCounts& c, int index) {
+  Task k;
+  k.gemm = index >= c.gemm0;
+  if (k.gemm) index -= c.gemm0;
+  const int feature_tiles = c.feature_tiles[k.gemm];
   int lo = 0, hi = num_local - 1;
   while (lo < hi) {
     const int mid = (lo + hi + 1) >> 1;
@@ -63,7 +95,6 @@ __device__ __forceinline__ Task decode_task(const ExpertTable& t, int num_local,
   }
   const int tiles = t.tile_offset[lo + 1] - t.tile_offset[lo];
   const int local = index - t.tile_offset[lo] * feature_tiles;
-  Task k;
   k.expert = lo;
   k.feature_tile = local / tiles;
   k.tile_tokens = tile_tokens_for(t.count[lo]);
@@ -71,6 +102,41 @@ __device__ __forceinline__ Task decode_task(const ExpertTable& t, int num_local,
   const int left = t.count[lo] - k.first_row;
   k.rows = left < k.tile_tokens ? left : k.tile_tokens;
   return k;
+}
+
+// The block's window on the task counter: the producer's thread 0 takes the next index and publishes it in a
+// shared-memory slot; every other thread of the block reads it from there (kTaskSlots fetched ahead).
+struct TaskQueue {
+  int slot = 0;
+  uint32_t phase = 0;
+  __device__ void advance() {
+    if (++slot == kTaskSlots) {
+      slot = 0;
+      phase ^= 1u;
+    }
+  }
+};
+
+// Next task index of this block, or -1 when the call's tasks are all taken. Called by every thread of the
+// block in the same order, so all threads take the same branches (the GEMM phases have block barriers).
+// The wait for a published index ignores the abort flag: thread 0 publishes promptly even after an abort
+// (its own waits give up then), and a thread that read a stale index would leave the block's threads on
+// different tasks.
+__device__ __forceinline__ int next_task(const Params& p, const GemmSmem& g, TaskQueue& q, int total) {
+  int index;
+  if (threadIdx.x == 0) {
+    pipe_wait(p, g, g.task_empty(q.slot), q.phase ^ 1u);
+    index = static_cast<int>(atomicAdd(ws_ptr<uint32_t>(p, p.ws_off.task_counter), 1u));
+    if (index >= total) index = -1;
+    *g.task_index(q.slot) = index;
+    mbar_arrive(g.task_full(q.slot));  // release: the index is visible to the waiters
+  } else {
+    pipe_wait(p, g, g.task_full(q.slot), q.phase, /*give_up_on_abort=*/false);
+    index = *reinterpret_cast<volatile int*>(g.task_index(q.slot));
+    mbar_arrive(g.task_empty(q.slot));
+  }
+  q.advance();
+  return index;
 }
 
 }  // namespace flashmoe

@@ -69,11 +69,13 @@ PHASE_DISPATCH_WAIT = 1
 PHASE_COMBINE_WAIT = 2
 PHASE_GRID_BARRIER = 3
 PHASE_GEMM_PIPELINE = 4
+PHASE_EXPERT_READY = 5
 PHASES = {
     PHASE_DISPATCH_WAIT: "dispatch signal",
     PHASE_COMBINE_WAIT: "combine signal",
     PHASE_GRID_BARRIER: "grid barrier (blocks of this kernel)",
     PHASE_GEMM_PIPELINE: "GEMM pipeline of one block (a kernel bug: please report it)",
+    PHASE_EXPERT_READY: "an expert's GEMM0 tiles on other blocks (a kernel bug: please report it)",
 }
 
 # Metrics ring: one record of RING_FIELDS int64 per call, slot = epoch % RING_SLOTS (enum RingField).
@@ -94,8 +96,8 @@ RING_WORLD_SIZE = 11
 # When the last block finished each phase (%globaltimer, max over blocks): where a call's time goes.
 RING_DISPATCH_END_NS = 12
 RING_RECEIVE_END_NS = 13
-RING_GEMM0_END_NS = 14
-RING_GEMM1_END_NS = 15
+RING_GEMM0_END_NS = 14  # the last GEMM0 tile (GEMM1 tiles of finished experts may already run)
+RING_GEMM1_END_NS = 15  # every GEMM tile
 
 # Exact per-layer counters: [MAX_LAYERS, TOTALS_FIELDS] int64 (enum TotalsField).
 TOTALS_FIELDS = 4

@@ -1,0 +1,130 @@
+// Microbenchmark: how fast can 132 blocks stream a [rows x K] bf16 weight tensor through TMA into a ring of
+// S shared-memory stages (128B swizzle), as the megakernel's producer does? Consumers only wait and release.
+// The ceiling the GEMM engine's weight streaming is measured against (results/2026-11-22-h200x1-tma-stream.txt).
+//   nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 benchmarks/experiments/tma_stream.cu -o /tmp/tma_stream
+#include <cuda.h>
+#include <cuda_runtime.h>
+#include <cstdio>
+#include <cstdint>
+#include <vector>
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
+__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) { asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory"); }
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) { asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory"); }
+__device__ __forceinline__ void mbar_expect(uint64_t* bar, uint32_t b) { asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(b) : "memory"); }
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  uint32_t done = 0;
+  while (!done) asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}" : "=r"(done) : "r"(smem_addr(bar)), "r"(parity) : "memory");
+}
+__device__ __forceinline__ void tma2d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1) {
+  asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];"
+               ::"r"(smem_addr(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(bar)), "r"(c0), "r"(c1) : "memory");
+}
+
+__device__ __forceinline__ void tma5d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1, int c2, int c3, int c4) {
+  asm volatile("cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6, %7}], [%2];"
+               ::"r"(smem_addr(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4) : "memory");
+}
+struct Cfg { int stages, kbox, rbox, tile_rows; int five_d; };  // kbox: 64-k boxes per stage along K; rbox: 128-row boxes along rows
+
+__global__ void __launch_bounds__(256, 1) stream(const __grid_constant__ CUtensorMap map, int rows, int K, Cfg c, int* sink) {
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  const int box_bytes = 128 * 64 * 2;
+  const int stage_bytes = box_bytes * c.kbox * c.rbox;
+  __shared__ uint64_t full[16], empty[16];
+  if (threadIdx.x == 0) { for (int s = 0; s < c.stages; ++s) { mbar_init(&full[s], 1); mbar_init(&empty[s], 4); }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
+  __syncthreads();
+  const int tile_rows = 128 * c.rbox;
+  const int tiles = rows / tile_rows / gridDim.x * gridDim.x;  // whole waves: no tail in the rate
+  const int ksteps = K / (64 * c.kbox);
+  if (threadIdx.x == 0) {  // producer
+    int s = 0; uint32_t ph = 0;
+    for (int t = blockIdx.x; t < tiles; t += gridDim.x)
+      for (int ks = 0; ks < ksteps; ++ks) {
+        mbar_wait(&empty[s], ph ^ 1);
+        mbar_expect(&full[s], stage_bytes);
+        if (c.five_d) tma5d(smem + s * stage_bytes, &map, &full[s], ks * 64, 0, 0, (t % 12) * 8, t / 12); else
+        for (int r = 0; r < c.rbox; ++r)
+          for (int b = 0; b < c.kbox; ++b)
+            tma2d(smem + s * stage_bytes + (r * c.kbox + b) * box_bytes, &map, &full[s], (ks * c.kbox + b) * 64, t * tile_rows + r * 128);
+        if (++s == c.stages) { s = 0; ph ^= 1; }
+      }
+  } else if (threadIdx.x >= 128 && threadIdx.x < 256) {  // consumer warpgroup: wait, touch, release
+    int s = 0; uint32_t ph = 0; int acc = 0;
+    for (int t = blockIdx.x; t < tiles; t += gridDim.x)
+      for (int ks = 0; ks < ksteps; ++ks) {
+        mbar_wait(&full[s], ph);
+        acc += smem[s * stage_bytes + (threadIdx.x - 128) * 16];
+        __syncwarp();
+        if ((threadIdx.x & 31) == 0) mbar_arrive(&empty[s]);
+        if (++s == c.stages) { s = 0; ph ^= 1; }
+      }
+    if (acc == 12345678) sink[0] = acc;
+  }
+}
+
+__global__ void read_ld(const uint4* p, size_t n, int* sink) {
+  uint32_t x = 0;
+  for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) { uint4 v = __ldg(p + i); x ^= v.x ^ v.y ^ v.z ^ v.w; }
+  if (x == 0x12345678u) sink[0] = x;
+}
+
+typedef CUresult (*EncodeFn)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*, const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+int main() {
+  const int E = 32, R = 1536, K = 2048;  // Qwen3-30B w13 per EP4 rank: 201 MB
+  const size_t rows = (size_t)E * R, bytes = rows * K * 2;
+  void* w; cudaMalloc(&w, bytes); cudaMemset(w, 1, bytes);
+  int* sink; cudaMalloc(&sink, 4);
+  void* f; cudaDriverEntryPointQueryResult q;
+  cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q);
+  EncodeFn enc = (EncodeFn)f;
+  int sms; cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+  cudaEvent_t a, b; cudaEventCreate(&a); cudaEventCreate(&b);
+  // pure read reference
+  for (int blocks : {sms * 2, sms * 4, sms * 8}) {
+    read_ld<<<blocks, 512>>>((const uint4*)w, bytes / 16, sink);
+    cudaEventRecord(a); for (int i = 0; i < 10; ++i) read_ld<<<blocks, 512>>>((const uint4*)w, bytes / 16, sink); cudaEventRecord(b); cudaEventSynchronize(b);
+    float ms; cudaEventElapsedTime(&ms, a, b); printf("ld.global.nc.v4 %4d blocks x 512: %.2f TB/s\n", blocks, bytes * 10 / (ms * 1e-3) / 1e12);
+  }
+  struct Run { Cfg c; CUtensorMapL2promotion l2; const char* name; };
+  std::vector<Run> runs = {
+    {{10, 1, 1, 128}, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, "2D 16K x10"},
+    {{10, 1, 1, 128, 1}, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, "5D w13 x10"},
+    {{10, 1, 1, 128, 1}, CU_TENSOR_MAP_L2_PROMOTION_NONE, "5D w13 x10 nopromo"},
+    {{5, 1, 1, 128, 1}, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, "5D w13 x5"},
+    {{4, 1, 1, 128}, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, "16K x4"},
+    {{6, 1, 1, 128}, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, "16K x6"},
+    {{8, 1, 1, 128}, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, "16K x8"},
+    {{10, 1, 1, 128}, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, "16K x10"},
+    {{12, 1, 1, 128}, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, "16K x12"},
+    {{10, 1, 1, 128}, CU_TENSOR_MAP_L2_PROMOTION_NONE, "16K x10 no-promo"},
+    {{10, 1, 1, 128}, CU_TENSOR_MAP_L2_PROMOTION_L2_128B, "16K x10 promo128"},
+    {{3, 2, 1, 128}, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, "32K(2k) x3"},
+    {{5, 2, 1, 128}, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, "32K(2k) x5"},
+    {{6, 2, 1, 128}, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, "32K(2k) x6"},
+    {{3, 4, 1, 128}, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, "64K(4k) x3"},
+    {{5, 1, 2, 256}, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, "32K(2r) x5"},
+  };
+  printf("%-20s %8s %8s\n", "stage x count", "TB/s", "KiB/SM");
+  for (auto& r : runs) {
+    CUtensorMap map;
+    cuuint64_t dims[2] = {(cuuint64_t)K, (cuuint64_t)rows}; cuuint64_t strides[1] = {(cuuint64_t)K * 2};
+    cuuint32_t box[2] = {64, 128}, unit[2] = {1, 1};
+    cuuint64_t d5[5] = {(cuuint64_t)K, 8, 2, 768 / 8, (cuuint64_t)E}, s5[4] = {(cuuint64_t)K * 2, 768ull * K * 2, 8ull * K * 2, 1536ull * K * 2};
+    cuuint32_t b5[5] = {64, 8, 2, 8, 1}, u5[5] = {1, 1, 1, 1, 1};
+    if (r.c.five_d) { if (enc(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 5, w, d5, s5, b5, u5, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, r.l2, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS) { printf("encode5 failed\n"); return 1; } } else
+    if (enc(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, w, dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, r.l2, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS) { printf("encode failed\n"); return 1; }
+    const int smem = r.c.stages * 16384 * r.c.kbox * r.c.rbox + 1024;
+    cudaFuncSetAttribute(stream, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    stream<<<sms, 256, smem>>>(map, (int)rows, K, r.c, sink);
+    cudaError_t e = cudaDeviceSynchronize(); if (e) { printf("%s: %s\n", r.name, cudaGetErrorString(e)); return 1; }
+    cudaEventRecord(a); for (int i = 0; i < 10; ++i) stream<<<sms, 256, smem>>>(map, (int)rows, K, r.c, sink); cudaEventRecord(b); cudaEventSynchronize(b);
+    float ms; cudaEventElapsedTime(&ms, a, b);
+    const size_t tile_rows = 128 * r.c.rbox, moved = rows / tile_rows / sms * sms * tile_rows * K * 2;
+    printf("%-20s %8.2f %8d\n", r.name, moved * 10 / (ms * 1e-3) / 1e12, r.c.stages * 16 * r.c.kbox * r.c.rbox);
+  }
+  return 0;
+}
