@@ -32,6 +32,10 @@
 #   and include the NVSHMEM 3.x fixes (29d31c0); setup.py finds the pip NVSHMEM (nvidia.nvshmem, libnvshmem_host.so.3).
 #   It does not use NCCL at all. Newer main (EPv2, b306af0 onwards) builds on the NCCL device API (ncclDevComm...),
 #   which is what breaks the tokenspeed-deepep wheel against the image's NCCL 2.28.9 (`ncclCommQueryProperties`).
+# - One source change (applied by this script, checked to match): DeepEP's LL dispatch asserts on the device that
+#   IBGDA holds a QP per local expert even when every peer is an NVLink P2P peer and no QP is used; with NVSHMEM
+#   initialised without IBGDA (flashmoe first, or no mlx5 NIC) that is 0 and the kernel would trap. The assertion
+#   now accepts 0.
 # - What the build needed beyond `python setup.py bdist_wheel`, all headers or link-time stand-ins, nothing run:
 #   infiniband/mlx5dv.h (NVSHMEM's IBGDA header includes it): libibverbs-dev headers; CUDA 13's CCCL headers
 #   (cuda/std/tuple, included by NVSHMEM 3.4.5 headers in host code): $CUDA_HOME/include/cccl on the host
@@ -96,6 +100,17 @@ else
   tar -czf "$OUT_DIR/deepep-src.tar.gz" -C "$src" --exclude=.git --exclude=figures .
 fi
 
+# --- One local change: the LL dispatch's QP assertion --------------------------------------------------------
+# Every LL dispatch asserts (device trap) that IBGDA holds a QP per local expert, even where every peer is reached
+# through NVSHMEM P2P pointers over NVLink and no QP is ever used. NVSHMEM initialised without IBGDA (by flashmoe
+# before DeepEP, or on a host without mlx5 NICs) has num_rc_per_pe == 0, so the unchanged kernel traps on our
+# machines. Accept 0 too; peers without a P2P pointer would still need IBGDA (internode: not our case).
+ll=$src/csrc/kernels/internode_ll.cu
+qp_check='EP_DEVICE_ASSERT(ibgda_get_state()->num_rc_per_pe >= num_local_experts);'
+grep -qF "$qp_check" "$ll" || { echo "DeepEP source changed: QP assertion not found in $ll" >&2; exit 1; }
+sed -i "s|EP_DEVICE_ASSERT(ibgda_get_state()->num_rc_per_pe >= num_local_experts);|EP_DEVICE_ASSERT(ibgda_get_state()->num_rc_per_pe == 0 or ibgda_get_state()->num_rc_per_pe >= num_local_experts);|" "$ll"
+grep -qF 'num_rc_per_pe == 0 or' "$ll"
+
 # --- Headers and link-time stand-ins ------------------------------------------------------------------------
 if [ -z "${RDMA_INCLUDE:-}" ]; then
   if [ -f /usr/include/infiniband/mlx5dv.h ]; then
@@ -131,7 +146,6 @@ whl=$(ls "$src"/dist/deep_ep-*.whl)
 rm -rf "$OUT_DIR/site" "$OUT_DIR"/deep_ep-*.whl && mkdir -p "$OUT_DIR/site"
 cp "$whl" "$OUT_DIR/"
 "$PYTHON" -m zipfile -e "$whl" "$OUT_DIR/site"
-rm -rf "$OUT_DIR"/site/*.dist-info
 strip --strip-debug "$OUT_DIR"/site/deep_ep_cpp*.so
 cat >"$OUT_DIR/BUILD_INFO" <<EOF
 deepep_commit $DEEPEP_COMMIT
@@ -139,6 +153,7 @@ torch $("$PYTHON" -c 'import torch; print(torch.__version__)')
 nvshmem $NVSHMEM_VERSION ($nvshmem_dir)
 nvcc $("$CUDA_HOME/bin/nvcc" --version | tail -1)
 arch sm_90 (TORCH_CUDA_ARCH_LIST=9.0)
+patch internode_ll.cu LL dispatch QP assertion accepts num_rc_per_pe == 0 (NVLink-only, IBGDA not initialised)
 build_seconds $build_s (MAX_JOBS=$MAX_JOBS, $(nproc) cores)
 built $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname)
 EOF
