@@ -42,7 +42,7 @@ ROW_FIELDS = (
     "world_size",
     "tokens_per_rank",
     "routing",  # uniform | zipf
-    "variant",  # flashmoe | all_to_all | allgather_rs | vllm_fused | compute_only
+    "variant",  # flashmoe | all_to_all | allgather_rs | vllm_fused | deepep_ll | deepep_ll_fp8 | deepep_ll_comm | compute_only
     "mode",  # flushed (one layer, L2 flushed before each call) | serving (graph of L layers, no flush)
     "layers",  # layers per timed step (1 when flushed); latencies are per layer
     "graph",  # the timed step was a CUDA graph replay
