@@ -54,6 +54,7 @@ def test_packed_rows_map_valid_rows_and_send_the_rest_to_the_spare_row():
     assert deepep_ll.packed_rows(counts, 5, 6)[0].tolist() == [0, 1, 10, 11, 12, 15]  # exact bound
     assert deepep_ll.packed_rows(torch.zeros(3, dtype=torch.int32), 4, 2)[0].tolist() == [12, 12]
     assert deepep_ll.packed_rows(counts, 5, 0)[0].numel() == 0
+    assert deepep_ll.packed_rows(counts, 5, 4)[1].tolist() == [2, 2, 4, 4]  # a short bound caps the offsets
 
 
 def test_gather_and_scatter_round_trip_the_valid_rows(gen):

@@ -116,7 +116,9 @@ def packed_rows(counts: torch.Tensor, capacity: int, bound: int) -> tuple[torch.
     ``src[p]`` is the flat row (``e * capacity + slot``) of packed row ``p`` when experts' valid rows are laid
     back to back in expert order; rows past the last valid one (``p >= counts.sum()``) get ``E_local *
     capacity``, one past the layout: a spare row to scatter into. ``offs`` are the cumulative ends, as
-    ``torch._grouped_mm`` takes them. All on the counts' device, no host synchronisation."""
+    ``torch._grouped_mm`` takes them, capped at ``bound`` (a bound below the real count leaves rows
+    uncomputed, which the correctness check catches, rather than reading past the packed rows). All on the
+    counts' device, no host synchronisation."""
     counts = counts.long()
     num = counts.numel()
     ends = counts.cumsum(0)
@@ -125,7 +127,7 @@ def packed_rows(counts: torch.Tensor, capacity: int, bound: int) -> tuple[torch.
     e = torch.searchsorted(ends, p, right=True)  # num past the last valid row
     e_in = e.clamp(max=num - 1)
     src = torch.where(e < num, e_in * capacity + (p - starts[e_in]), num * capacity)
-    return src, ends.to(torch.int32)
+    return src, ends.clamp(max=bound).to(torch.int32)
 
 
 def gather_rows(recv: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
