@@ -4,7 +4,7 @@ Schema ``flashmoe.layer_bench/1``. Top level::
 
     schema, created (UTC ISO), argv, complete (bool), stopped_reason, elapsed_s,
     machine   {tag, hostname, device, gpu_name, gpu_count, visible_gpus, capability, gpu_memory_gib}
-    software  {python, torch, cuda, nccl, nvshmem, flashmoe, commit, dirty}
+    software  {python, torch, cuda, nccl, nvshmem, deep_ep, flashmoe, commit, dirty}
     env       {NCCL_*, NVSHMEM_*, TORCH_SYMM_MEM_*, FLASHMOE_* variables set for the run}
     config    {variants, models, tokens, routings, zipf_s, grouped_gemm, grouped_gemm_note, timing, ...}
     rates     see rates.MeasuredRates.to_json
@@ -189,6 +189,7 @@ def software_info(repo: Path, commit_override: str | None) -> dict:
         "cuda": torch.version.cuda,
         "nccl": nccl,
         "nvshmem": _package_version("nvidia-nvshmem-cu13", "nvidia-nvshmem-cu12"),
+        "deep_ep": _package_version("deep_ep"),  # the deepep_ll variants' (scripts/build-deepep.sh)
         "flashmoe": fm,
         "commit": commit,
         "dirty": dirty,
