@@ -42,7 +42,8 @@
 #   compiler's path; cusparse.h/cublas headers (torch's CUDAContextLight.h) from the pip nvidia/cu13/include when
 #   the toolkit lacks them; a libcuda.so to satisfy -lcuda: an empty stub with soname libcuda.so.1, linked with
 #   --no-as-needed so libcuda.so.1 stays NEEDED and the driver's cuMem* symbols resolve when the GPU's libcuda loads.
-# - Build time: 61 s wall (104 s CPU) with MAX_JOBS=2; the wheel is 9.6 MB, the stripped site folder 13.8 MB
+# - Build time: 54-76 s wall (about 100 s CPU) with MAX_JOBS=2, from a clone or from the carried tarball (both
+#   tried here); the wheel is 9.2 MB, the stripped site folder 14 MB
 #   (deep_ep_cpp 13.7 MB; 26 MB unstripped). sm_90 SASS (TORCH_CUDA_ARCH_LIST=9.0, DeepEP's own default for Hopper).
 # - Checked here: `import deep_ep` with Python 3.12.1, torch 2.11.0+cu130 (PyPI), nvidia-nvshmem-cu13 3.4.5 and a
 #   stub libcuda.so.1 defining the 14 cu* symbols the extension imports (Python loads extensions RTLD_NOW: every
@@ -62,6 +63,10 @@ CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 MAX_JOBS=${MAX_JOBS:-$(nproc)}
 export CUDA_HOME MAX_JOBS
 mkdir -p "$WORK" "$OUT_DIR"
+OUT_DIR=$(cd "$OUT_DIR" && pwd)
+# Paths given relative to where this was started stay valid after the cd into the source tree.
+[ -n "${DEEPEP_SRC:-}" ] && DEEPEP_SRC=$(realpath "$DEEPEP_SRC")
+[ -n "${RDMA_INCLUDE:-}" ] && RDMA_INCLUDE=$(realpath "$RDMA_INCLUDE")
 t0=$(date +%s)
 
 # --- Python 3.12 with torch 2.11.0 (cu130) and NVSHMEM 3.4.5 -------------------------------------------------
