@@ -50,7 +50,8 @@
 #   symbol resolved against torch 2.11 and NVSHMEM 3.4.5); the extension has no NCCL dependency.
 #   Not checked here (no GPU): that its kernels run. Fallback if the carried build does not load there: run this
 #   script on the GPU machine with PYTHON=python3 DEEPEP_SRC=.carry/deepep/deepep-src.tar.gz
-#   RDMA_INCLUDE=.carry/deepep/rdma-include (about 15 s of compile on 16 cores; no network needed).
+#   RDMA_INCLUDE=.carry/deepep/rdma-include (no network needed; estimate: under a minute, 7 compile units of
+#   about 100 CPU-s in all, the largest alone bounding it).
 set -euo pipefail
 
 DEEPEP_COMMIT=567632dd59810d77b3cc05553df953cc0f779799
