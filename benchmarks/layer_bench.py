@@ -634,7 +634,10 @@ def layer_fn(ctx: Context, m: ModelState, variant: str, tokens: int | None = Non
         unavailable = ll.unsupported(tokens, s.hidden, s.num_experts, m.placement)
         if unavailable:
             return None, None, unavailable
-        capacity = ll.prepare(tokens, s.hidden, s.num_experts)
+        try:  # collective (a buffer clean when the layout changes): all ranks get here together
+            capacity = ll.prepare(tokens, s.hidden, s.num_experts)
+        except Exception as e:
+            return None, None, f"DeepEP LL buffer clean failed: {type(e).__name__}: {e}"[:400]
         how = {"deepep_ll": "bf16", "deepep_ll_fp8": "fp8"}.get(variant)
         backend = f"deep_ep {version} LL " + (f"{how} + {sw.impl}" if how else "dispatch+combine")
 
