@@ -7,7 +7,9 @@
 Variants (``--variants``): ``flashmoe`` (the megakernel; the reference backend where it cannot run,
 marked in ``backend``), ``all_to_all`` (NCCL all-to-all dispatch/combine around grouped GEMMs),
 ``allgather_rs`` (all-gather, local experts on every token, reduce-scatter: vLLM's default EP path
-written with grouped GEMMs), ``vllm_fused`` (the same path with vLLM's own Triton ``fused_experts``)
+written with grouped GEMMs), ``vllm_fused`` (the same path with vLLM's own Triton ``fused_experts``),
+``deepep_ll`` / ``deepep_ll_fp8`` (DeepEP's low-latency dispatch in bf16 / fp8, grouped GEMMs on its
+masked per-expert layout, its low-latency combine), ``deepep_ll_comm`` (that dispatch and combine alone)
 and ``compute_only`` (the grouped GEMMs with rows already in place). Every variant's output is
 checked against the reference before it is timed.
 
@@ -36,7 +38,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from moe_bench import serving, table
+from moe_bench import deepep_ll, serving, table
 from moe_bench.baselines import EPLayout, ExpertRows, all_to_all_moe, allgather_rs_moe, compute_only
 from moe_bench.check import MAX_REL_TOL, REL_L2_TOL, compare, expert_rows_reference
 from moe_bench.floor import Floor, layer_floor, load_imbalance, rank_work
@@ -77,7 +79,7 @@ VARIANTS = table.VARIANTS
 MODES = ("flushed", "serving")
 # Variants whose layer has no host synchronisation, so a serving step of them is one CUDA graph. The
 # all_to_all and allgather_rs baselines read split sizes on the host; their serving steps run eagerly.
-GRAPH_SAFE = ("flashmoe", "vllm_fused", "compute_only")
+GRAPH_SAFE = ("flashmoe", "vllm_fused", "compute_only", *deepep_ll.VARIANTS)
 DTYPE = torch.bfloat16
 # NVLink multicast is absent on our machines (kernel-design §5); NCCL, torch symmetric memory and
 # NVSHMEM must not try it. Explicit settings in the environment win.
@@ -184,6 +186,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--no-warmup-case", action="store_true", help="do not run the first case once untimed before the rest"
     )
     p.add_argument(
+        "--deepep-max-tokens",
+        type=int,
+        default=deepep_ll.DEFAULT_MAX_TOKENS,
+        help="tokens per rank the DeepEP low-latency buffer is sized for; larger cases are unavailable for "
+        "the deepep_ll variants (its buffer grows with E x tokens x H: 7.1 GiB per rank for DeepSeek-V3 at EP4, 512)",
+    )
+    p.add_argument(
         "--metrics-overhead",
         action="store_true",
         help="also time flashmoe with its in-kernel metrics off, interleaved with on (metrics_* columns)",
@@ -214,6 +223,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--layers and --min-layers must be at least 1")
     if args.per_rank_of_ep is not None and args.per_rank_of_ep < 1:
         p.error("--per-rank-of-ep must be at least 1")
+    if args.deepep_max_tokens < 1:
+        p.error("--deepep-max-tokens must be at least 1")
     return args
 
 
@@ -385,6 +396,62 @@ def build_flashmoe_layers(
     return built
 
 
+def prepare_deepep(args, shapes: dict[str, ModelShape], ranks: Ranks, log):
+    """(deep_ep module or None, reason or None, tokens, shapes) for the deepep_ll variants, before flashmoe
+    initialises NVSHMEM: where both run, one symmetric heap must hold flashmoe's buffers and DeepEP's LL
+    buffer, so NVSHMEM_SYMMETRIC_SIZE is set for both (unless already set)."""
+    mod, version, reason = deepep_ll.load_deep_ep(ranks.device)
+    tokens = min(max(args.tokens), args.deepep_max_tokens)
+    sized = [
+        (s.hidden, s.num_experts)
+        for s in shapes.values()
+        if s.hidden in deepep_ll.SUPPORTED_HIDDEN and s.num_experts % ranks.world == 0
+    ]
+    if mod is not None and not sized:
+        mod, reason = (
+            None,
+            f"no selected model's hidden size is one of DeepEP LL's {deepep_ll.SUPPORTED_HIDDEN}",
+        )
+    if ranks.any(mod is None):
+        reason = reason or "deep_ep unavailable on another rank"
+        log(f"deepep_ll: unavailable ({reason})")
+        return None, reason, tokens, sized
+    ll_bytes = deepep_ll.LowLatency.rdma_bytes(mod, sized, tokens, ranks.world)
+    if "flashmoe" in args.variants:
+        fm_bytes = deepep_ll.flashmoe_symmetric_bytes(
+            max(args.tokens),
+            max(s.hidden for s in shapes.values()),
+            max(s.top_k for s in shapes.values()),
+            ranks.world,
+        )
+        os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(ll_bytes + fm_bytes))
+    log(
+        f"deepep_ll: deep_ep {version}, LL buffer {ll_bytes / 2**30:.2f} GiB for {tokens} tokens/rank; "
+        f"NVSHMEM_SYMMETRIC_SIZE={os.environ.get('NVSHMEM_SYMMETRIC_SIZE', 'default')}"
+    )
+    return mod, None, tokens, sized
+
+
+def create_deepep(sizing, group, ranks: Ranks, log) -> tuple:
+    """(deepep_ll.LowLatency or None, version, reason): the LL buffer, after flashmoe's layers (so that
+    flashmoe's NVSHMEM initialisation, the one known to work on our machines, comes first). Collective."""
+    mod, reason, tokens, sized = sizing
+    version = deepep_ll.deep_ep_version()
+    if mod is None:
+        return None, version, reason
+    ll, err = None, None
+    try:
+        ll = deepep_ll.LowLatency.create(mod, group, sized, tokens, ranks.world)
+    except Exception as e:
+        err = f"{type(e).__name__}: {e}"[:400]
+    if ranks.any(err is not None):
+        reason = f"DeepEP LL buffer setup failed: {err or 'on another rank'}"
+        log(f"deepep_ll: {reason}")
+        return None, version, reason
+    log(f"deepep_ll: LL buffer {ll.num_rdma_bytes / 2**30:.2f} GiB per rank ready")
+    return ll, version, None
+
+
 @dataclass
 class ModelState:
     shape: ModelShape
@@ -442,6 +509,7 @@ class LayerInput:
     weights: torch.Tensor
     out: torch.Tensor  # flashmoe writes here
     expert_rows: ExpertRows | None = None  # compute_only's input
+    recv_rows: int | None = None  # (token, expert) rows this rank's experts receive: the deepep_ll pack bound
 
 
 @dataclass
@@ -461,6 +529,7 @@ class Context:
     vllm: tuple  # load_fused_experts(): (fused_experts or None, vllm version, reason it cannot run)
     deadline: float
     log: object
+    deepep: tuple = (None, None, "not selected")  # (deepep_ll.LowLatency or None, deep_ep version, reason)
 
     def out_of_time(self) -> bool:
         return self.ranks.any(time.monotonic() > self.deadline)
@@ -499,6 +568,9 @@ def make_inputs(ctx: Context, m: ModelState, tokens: int, routing: str, layers: 
             floors.append(layer_floor(works, s.hidden, s.intermediate, ctx.rates.rates))
             imbalance.append(load_imbalance(works))
             gemm_rows.append(max(w.expert_rows for w in works))
+            recv_rows = None
+            if any(v in deepep_ll.VARIANTS for v in ctx.args.variants):
+                recv_rows = deepep_ll.received_rows(ids_all, mine, s.num_experts)
             rows = None
             if "compute_only" in ctx.args.variants:
                 if ranks.world == 1:  # the very rows flashmoe computes: the comparison is like for like
@@ -506,15 +578,17 @@ def make_inputs(ctx: Context, m: ModelState, tokens: int, routing: str, layers: 
                 else:  # this rank's row count per expert, from every rank's routing
                     sizes = torch.bincount(ids_all.flatten().long(), minlength=s.num_experts)[mine.to(dev)]
                     rows = ExpertRows.random(sizes, s.hidden, DTYPE, gen)
-            per_layer.append(LayerInput(x, ids, weights, torch.empty_like(x), rows))
+            per_layer.append(LayerInput(x, ids, weights, torch.empty_like(x), rows, recv_rows))
         sets.append(InputSet(per_layer))
     return CaseInputs(
         sets, Floor.mean(floors), sum(imbalance) / len(imbalance), sum(gemm_rows) / len(gemm_rows)
     )
 
 
-def layer_fn(ctx: Context, m: ModelState, variant: str):
-    """(fn(layer index, LayerInput) -> output, backend label, reason it cannot run or None)."""
+def layer_fn(ctx: Context, m: ModelState, variant: str, tokens: int | None = None):
+    """(fn(layer index, LayerInput) -> output, backend label, reason it cannot run or None). ``tokens``
+    (per rank, this case's) sizes the deepep_ll dispatch; its buffer is cleaned here when the layout changes,
+    so this is collective for those variants."""
     sw, ep = ctx.swiglu, m.ep
     if variant == "flashmoe":
         layers = ctx.flashmoe.layers.get(m.shape.name)
@@ -552,17 +626,46 @@ def layer_fn(ctx: Context, m: ModelState, variant: str):
         return vllm_layer, f"vllm {version} fused_experts", None
     if variant == "compute_only":
         return (lambda i, a: compute_only(a.expert_rows, m.w13[i], m.w2[i], sw)), sw.impl, None
+    if variant in deepep_ll.VARIANTS:
+        ll, version, unavailable = ctx.deepep
+        if unavailable:
+            return None, None, unavailable
+        s = m.shape
+        unavailable = ll.unsupported(tokens, s.hidden, s.num_experts, m.placement)
+        if unavailable:
+            return None, None, unavailable
+        try:  # collective (a buffer clean when the layout changes): all ranks get here together
+            capacity = ll.prepare(tokens, s.hidden, s.num_experts)
+        except Exception as e:
+            return None, None, f"DeepEP LL buffer clean failed: {type(e).__name__}: {e}"[:400]
+        how = {"deepep_ll": "bf16", "deepep_ll_fp8": "fp8"}.get(variant)
+        backend = f"deep_ep {version} LL " + (f"{how} + {sw.impl}" if how else "dispatch+combine")
+
+        def deepep_layer(i, a):
+            return ll.layer(
+                a.x, a.ids, a.weights, m.w13[i], m.w2[i], sw, s.num_experts, capacity, variant, a.recv_rows
+            )
+
+        return deepep_layer, backend, None
     raise ValueError(variant)
 
 
 def check_step(
-    variant: str, outputs: list, inputs: InputSet, m: ModelState, references
+    variant: str, outputs: list, inputs: InputSet, m: ModelState, references, group=None
 ) -> tuple[float, float, bool]:
-    """(rel_l2, max_rel, ok) of the step's worst layer against that layer's own reference."""
+    """(rel_l2, max_rel, ok) of the step's worst layer against that layer's own reference. Collective over
+    ``group`` for deepep_ll_fp8 (its reference runs on the fp8-rounded input)."""
     rel_l2, max_rel, ok = 0.0, 0.0, True
     for i, (out, a) in enumerate(zip(outputs, inputs.layers, strict=True)):
         if variant == "compute_only":
             ref = expert_rows_reference(a.expert_rows.x, a.expert_rows.sizes, m.w13[i], m.w2[i])
+        elif variant == deepep_ll.COMM:
+            ref = deepep_ll.comm_reference(a.x, a.ids, a.weights)
+        elif variant == deepep_ll.FP8:
+            from flashmoe.reference import moe_reference_distributed
+
+            x8 = deepep_ll.fp8_roundtrip(a.x)
+            ref = moe_reference_distributed(x8, a.ids, a.weights, m.w13[i], m.w2[i], m.placement, group)
         else:
             ref = references[i]
         result = compare(out, ref)
@@ -579,7 +682,7 @@ def run_variant(
     ctx: Context, m: ModelState, variant: str, mode: str, sets: list[InputSet], references, base: dict
 ) -> dict:
     ranks = ctx.ranks
-    fn, backend, unavailable = layer_fn(ctx, m, variant)
+    fn, backend, unavailable = layer_fn(ctx, m, variant, sets[0].layers[0].x.shape[0])
     num_layers = len(sets[0].layers)
     graph = mode == "serving" and ranks.device.type == "cuda" and variant in GRAPH_SAFE
     row = dict(base, variant=variant, backend=backend, mode=mode, layers=num_layers, graph=graph)
@@ -602,7 +705,7 @@ def run_variant(
             calls = [lambda s=s: step(s) for s in range(len(sets))]
             first = calls[0]()
         if not ctx.args.no_check:
-            checked = check_step(variant, first, sets[0], m, references)
+            checked = check_step(variant, first, sets[0], m, references, ranks.group)
     except Exception as e:
         err = f"{type(e).__name__}: {e}"[:500]
     if ranks.any(err is not None):
@@ -634,7 +737,8 @@ def run_variant(
         notes.append("flashmoe ran its reference backend (no megakernel on this device)")
     if mode == "serving" and ranks.device.type == "cuda" and not graph:
         notes.append("host sync inside the layer: not graph-capturable, the serving step ran eagerly")
-    flops = 6.0 * base["gemm_rows"] * base["hidden"] * base["intermediate"]
+    # deepep_ll_comm runs no GEMM: no TFLOP/s for it.
+    flops = 6.0 * base["gemm_rows"] * base["hidden"] * base["intermediate"] * (variant != deepep_ll.COMM)
     return new_row(
         **dict(row, note="; ".join(notes) or None),
         status="ok",
@@ -646,7 +750,7 @@ def run_variant(
         iters=int(slowest[3]),
         x_floor=latency * 1e6 / base["floor_us"] if base["floor_us"] else None,
         x_floor_nodedup=latency * 1e6 / base["floor_nodedup_us"] if base["floor_nodedup_us"] else None,
-        tflops=flops / latency / 1e12 if latency > 0 else None,
+        tflops=flops / latency / 1e12 if latency > 0 and flops else None,
         **overhead,
     )
 
@@ -839,6 +943,9 @@ def main(argv=None) -> int:
             "step": "CUDA graph of the layers (graph-safe variants; others eager), no L2 flush; per-layer = step / layers",
         }
         log(f"serving: layers per step {num_layers} (L2 {serving.l2_bytes(device) / 2**20:.0f} MiB)")
+    deepep_sizing = None
+    if any(v in deepep_ll.VARIANTS for v in args.variants):
+        deepep_sizing = prepare_deepep(args, shapes, ranks, log)
     flashmoe_layers = FlashMoELayers()
     if "flashmoe" in args.variants:
         flashmoe_layers = build_flashmoe_layers(
@@ -848,6 +955,16 @@ def main(argv=None) -> int:
     if "vllm_fused" in args.variants:
         vllm = load_fused_experts(device)
         log(f"vllm_fused: {vllm[2] or f'vllm {vllm[1]} fused_experts'}")
+    deepep = (None, None, "not selected")
+    if deepep_sizing is not None:
+        deepep = create_deepep(deepep_sizing, group, ranks, log)
+        doc["config"]["deepep"] = {
+            "version": deepep[1],
+            "max_tokens": deepep_sizing[2],
+            "rdma_bytes": deepep[0].num_rdma_bytes if deepep[0] else None,
+            "unavailable": deepep[2],
+            "pack_bound": "this rank's received rows, from the routing (see moe_bench/deepep_ll.py)",
+        }
     ctx = Context(
         args,
         ranks,
@@ -859,6 +976,7 @@ def main(argv=None) -> int:
         vllm,
         deadline,
         log,
+        deepep,
     )
     save()
 

@@ -29,6 +29,9 @@ STYLE = {
     "all_to_all": dict(color="tab:blue", marker="s"),
     "allgather_rs": dict(color="tab:green", marker="^"),
     "vllm_fused": dict(color="tab:purple", marker="D"),
+    "deepep_ll": dict(color="tab:orange", marker="v"),
+    "deepep_ll_fp8": dict(color="tab:brown", marker="<"),
+    "deepep_ll_comm": dict(color="tab:olive", marker="1", linestyle=":"),
     "compute_only": dict(color="tab:gray", marker="x"),
 }
 

@@ -4,7 +4,7 @@ Schema ``flashmoe.layer_bench/1``. Top level::
 
     schema, created (UTC ISO), argv, complete (bool), stopped_reason, elapsed_s,
     machine   {tag, hostname, device, gpu_name, gpu_count, visible_gpus, capability, gpu_memory_gib}
-    software  {python, torch, cuda, nccl, nvshmem, flashmoe, commit, dirty}
+    software  {python, torch, cuda, nccl, nvshmem, deep_ep, flashmoe, commit, dirty}
     env       {NCCL_*, NVSHMEM_*, TORCH_SYMM_MEM_*, FLASHMOE_* variables set for the run}
     config    {variants, models, tokens, routings, zipf_s, grouped_gemm, grouped_gemm_note, timing, ...}
     rates     see rates.MeasuredRates.to_json
@@ -42,7 +42,7 @@ ROW_FIELDS = (
     "world_size",
     "tokens_per_rank",
     "routing",  # uniform | zipf
-    "variant",  # flashmoe | all_to_all | allgather_rs | vllm_fused | compute_only
+    "variant",  # flashmoe | all_to_all | allgather_rs | vllm_fused | deepep_ll | deepep_ll_fp8 | deepep_ll_comm | compute_only
     "mode",  # flushed (one layer, L2 flushed before each call) | serving (graph of L layers, no flush)
     "layers",  # layers per timed step (1 when flushed); latencies are per layer
     "graph",  # the timed step was a CUDA graph replay
@@ -189,6 +189,7 @@ def software_info(repo: Path, commit_override: str | None) -> dict:
         "cuda": torch.version.cuda,
         "nccl": nccl,
         "nvshmem": _package_version("nvidia-nvshmem-cu13", "nvidia-nvshmem-cu12"),
+        "deep_ep": _package_version("deep_ep"),  # the deepep_ll variants' (scripts/build-deepep.sh)
         "flashmoe": fm,
         "commit": commit,
         "dirty": dirty,

@@ -8,8 +8,17 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-VARIANTS = ("flashmoe", "all_to_all", "allgather_rs", "vllm_fused", "compute_only")
-BASELINES = ("all_to_all", "allgather_rs", "vllm_fused")
+VARIANTS = (
+    "flashmoe",
+    "all_to_all",
+    "allgather_rs",
+    "vllm_fused",
+    "deepep_ll",
+    "deepep_ll_fp8",
+    "deepep_ll_comm",
+    "compute_only",
+)
+BASELINES = ("all_to_all", "allgather_rs", "vllm_fused", "deepep_ll", "deepep_ll_fp8")
 DECODE_MAX_TOKENS = 128  # tokens per rank up to here count as decode, from PREFILL_MIN_TOKENS as prefill
 PREFILL_MIN_TOKENS = 512
 
@@ -134,7 +143,13 @@ def speedup(variants: dict[str, dict], baseline: str) -> float | None:
     return base["latency_us"] / fm["latency_us"]
 
 
-SHORT = {"all_to_all": "a2a", "allgather_rs": "ag-rs", "vllm_fused": "vllm"}
+SHORT = {
+    "all_to_all": "a2a",
+    "allgather_rs": "ag-rs",
+    "vllm_fused": "vllm",
+    "deepep_ll": "deepep",
+    "deepep_ll_fp8": "deepep-fp8",
+}
 
 
 def _rate(tflops: float) -> str:
@@ -150,26 +165,34 @@ def markdown_table(
     baselines = [b for b in BASELINES if any(b in v for v in cases.values())]
     if not baselines:
         baselines = ["all_to_all", "allgather_rs"]
+    # Parts of a layer, not layers: the GEMMs alone, and DeepEP's dispatch + combine alone (where run).
+    parts = ["compute_only"] + [p for p in ("deepep_ll_comm",) if any(p in v for v in cases.values())]
     out = [
         "| model | T/rank | floor µs (bound) | flashmoe µs (×floor) | "
         + " | ".join(f"{b} µs (×floor)" for b in baselines)
-        + " | compute_only µs | flashmoe speedup vs "
+        + "".join(f" | {p} µs" for p in parts)
+        + " | flashmoe speedup vs "
         + " / ".join(SHORT[b] for b in baselines)
         + " |",
-        "| --- | ---: | ---: | ---: | " + "---: | " * len(baselines) + "---: | ---: |",
+        "| --- | ---: | ---: | ---: | " + "---: | " * (len(baselines) + len(parts)) + "---: |",
     ]
     for (model, _, t), variants in cases.items():
-        co = variants.get("compute_only")
-        co_cell = f"{co['latency_us']:.1f}" if co and co["status"] == "ok" else (co["status"] if co else "-")
+        part_cells = "".join(f" | {_latency_cell(variants.get(p))}" for p in parts)
         sp = [speedup(variants, b) for b in baselines]
         sp_cell = " / ".join(f"{s:.2f}×" if s else "-" for s in sp)
         cells = [_cell(variants.get(v)).replace("x)", "×)") for v in ("flashmoe", *baselines)]
         out.append(
             f"| {model} | {t} | {_floor_cell(variants)} | "
             + " | ".join(cells)
-            + f" | {co_cell} | {sp_cell} |"
+            + f"{part_cells} | {sp_cell} |"
         )
     return "\n".join(out)
+
+
+def _latency_cell(row: dict | None) -> str:
+    if row is None:
+        return "-"
+    return f"{row['latency_us']:.1f}" if row["status"] == "ok" else row["status"]
 
 
 def compute_markdown_table(rows: list[dict], mode: str = "serving", gemm: str = "torch._grouped_mm") -> str:
