@@ -12,8 +12,8 @@
 //   warpgroups 1,2  consumers: 64 weight rows each, wgmma m64nNk16 into fp32 registers; a warp releases a
 //                   stage (`empty`) once its wgmma on it completed.
 //
-// The pipeline is never drained between tiles or phases: the producer runs ahead into the next tile while
-// the consumers run an epilogue. Tasks (tasks.cuh) call produce_tile on the producer side and
+// The pipeline is drained only when the tile width changes (the stage pool is re-carved, PipeState::enter);
+// otherwise the producer runs ahead into the next tile while the consumers run an epilogue. Tasks (tasks.cuh) call produce_tile on the producer side and
 // mma_tile_to_staging on the consumer side; only this file knows the accumulator layout.
 #pragma once
 
