@@ -11,6 +11,7 @@ from flashmoe.reference import moe_reference
 from moe_bench import deepep_ll, table
 from moe_bench.check import compare
 from moe_bench.grouped_gemm import GROUPED_MM, MM_LOOP, GroupedSwiGLU
+from moe_inputs import random_expert_weights, random_hidden, random_routing
 
 CPU = torch.device("cpu")
 
@@ -101,11 +102,9 @@ def test_masked_layout_through_grouped_swiglu_matches_the_reference(gen):
     after), packed, through the grouped SwiGLU, scattered back and combined with the routing weights as
     DeepEP's combine does, equals the layer's reference."""
     T, E, k, H, inter = 24, 6, 2, 128, 64
-    x = torch.randn(T, H, generator=gen).to(torch.bfloat16)
-    w13 = (torch.randn(E, 2 * inter, H, generator=gen) * H**-0.5).to(torch.bfloat16)
-    w2 = (torch.randn(E, H, inter, generator=gen) * inter**-0.5).to(torch.bfloat16)
-    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)]).int()
-    weights = torch.softmax(torch.randn(T, k, generator=gen), 1)
+    x = random_hidden(T, H, gen)
+    w13, w2 = random_expert_weights(E, H, inter, gen)
+    ids, weights = random_routing(T, E, k, "uniform", gen)
     cap = deepep_ll.dispatch_capacity(T)
     recv = torch.full((E, cap, H), float("nan"), dtype=torch.bfloat16)  # unused rows: garbage
     counts = torch.zeros(E, dtype=torch.int32)

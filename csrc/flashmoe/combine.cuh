@@ -20,7 +20,7 @@ constexpr int kCombineBatch = 8;         // slot rows loaded before their multip
 __device__ void combine_tokens(const Params& p) {
   const int lane = threadIdx.x & 31;
   const int warps_total = gridDim.x * kWarps;
-  const int warp_global = (threadIdx.x >> 5) * gridDim.x + blockIdx.x;
+  const int warp_global = grid_warp_index();
   const int k = p.top_k, H = p.hidden_size;
   const int chunks = ceil_div(H, kCombineColumns);
   const int items = p.num_tokens * chunks;

@@ -65,4 +65,8 @@ __device__ __forceinline__ float silu(float x) { return x * __fdividef(1.0f, 1.0
 
 __host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
+// This warp's index among all warps of the grid, blocks fastest: the first items of a warp-per-item loop land
+// on different SMs, so a decode call's few tokens still spread over the GPU.
+__device__ __forceinline__ int grid_warp_index() { return (threadIdx.x >> 5) * gridDim.x + blockIdx.x; }
+
 }  // namespace flashmoe

@@ -19,7 +19,7 @@ __device__ int dispatch_tokens(const Params& p, const PeerTable& peers) {
   int rows_sent = 0;
   const int lane = threadIdx.x & 31;
   const int warps_total = gridDim.x * kWarps;
-  const int warp_global = (threadIdx.x >> 5) * gridDim.x + blockIdx.x;  // a few tokens still spread over SMs
+  const int warp_global = grid_warp_index();
   const int k = p.top_k, H = p.hidden_size;
   const int vec_per_row = H / 8;  // 16-byte vectors
   const int64_t mstride = meta_stride(k);

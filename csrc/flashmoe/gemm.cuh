@@ -13,8 +13,9 @@
 //                   stage (`empty`) once its wgmma on it completed.
 //
 // The pipeline is drained only when the tile width changes (the stage pool is re-carved, PipeState::enter);
-// otherwise the producer runs ahead into the next tile while the consumers run an epilogue. Tasks (tasks.cuh) call produce_tile on the producer side and
-// mma_tile_to_staging on the consumer side; only this file knows the accumulator layout.
+// otherwise the producer runs ahead into the next tile while the consumers run an epilogue. Tasks (tasks.cuh)
+// call produce_tile on the producer side and mma_tile_to_staging on the consumer side; only this file knows
+// the accumulator layout.
 #pragma once
 
 #include <type_traits>
@@ -50,7 +51,7 @@ static_assert(kTileK == kInterMultiple, "GEMM1 K step");
 // staging (N rows per consumer) sits at the top of the pool. Tiles of another N re-carve the pool after a
 // full drain (see PipeState::enter).
 constexpr int kMaxStages = 10;
-constexpr int kTaskSlots = 4;  // tasks fetched ahead by the producer (tasks.cuh)
+constexpr int kTaskSlots = 4;  // task indices published by the producer, not yet read by every thread
 constexpr int kGemmSmemBytes = 218 * 1024;  // + ~7 KiB static (scheduler tables) stays within 227 KiB
 constexpr int kFullOffset = 0;                                          // u64 [kMaxStages]
 constexpr int kEmptyOffset = kFullOffset + kMaxStages * 8;              // u64 [kMaxStages]
@@ -67,8 +68,8 @@ static_assert(kRowRankOffset + kConsumers * kMaxTileTokens * 4 <= kPoolOffset, "
 __host__ __device__ constexpr int stage_bytes(int n) { return kStageWeightBytes + n * kTileK * 2; }
 __host__ __device__ constexpr int staging_bytes(int n) { return kConsumers * n * kStagingStride * 2; }
 __host__ __device__ constexpr int stages_for(int n) {
-  return (kPoolBytes - staging_bytes(n)) / stage_bytes(n) < kMaxStages ? (kPoolBytes - staging_bytes(n)) / stage_bytes(n)
-                                                                       : kMaxStages;
+  const int fit = (kPoolBytes - staging_bytes(n)) / stage_bytes(n);
+  return fit < kMaxStages ? fit : kMaxStages;
 }
 static_assert(stages_for(32) == 10 && stages_for(64) == 8 && stages_for(128) == 5, "stage counts per tile width");
 static_assert(stage_bytes(32) % 1024 == 0 && stage_bytes(64) % 1024 == 0 && stage_bytes(128) % 1024 == 0,

@@ -77,7 +77,7 @@ __device__ __forceinline__ TaskCounts task_counts(const Params& p, const ExpertT
 
 // GEMM0 tile completions an expert's GEMM1 tasks wait for: one per consumer warpgroup per GEMM0 tile.
 __device__ __forceinline__ uint32_t gemm0_arrivals(const TaskCounts& c, const ExpertTable& t, int expert) {
-  return static_cast<uint32_t>(2 * c.feature_tiles[0] * token_tiles(t.count[expert]));
+  return static_cast<uint32_t>(kConsumers * c.feature_tiles[0] * token_tiles(t.count[expert]));
 }
 
 // Flat task index -> task. Binary search for the last expert whose first task is <= index (experts without
@@ -105,7 +105,7 @@ __device__ __forceinline__ Task decode_task(const ExpertTable& t, int num_local,
 }
 
 // The block's window on the task counter: the producer's thread 0 takes the next index and publishes it in a
-// shared-memory slot; every other thread of the block reads it from there (kTaskSlots fetched ahead).
+// shared-memory slot; every other thread of the block reads it from there (up to kTaskSlots not yet read by all).
 struct TaskQueue {
   int slot = 0;
   uint32_t phase = 0;

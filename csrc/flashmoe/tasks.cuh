@@ -28,7 +28,9 @@ __device__ __forceinline__ uint32_t* gemm0_done(const Params& p, int expert) {
 }
 
 // Named barrier of the producer warpgroup (id 4).
-__device__ __forceinline__ void producer_sync() { asm volatile("bar.sync 4, %0;\n" ::"n"(kProducerThreads) : "memory"); }
+__device__ __forceinline__ void producer_sync() {
+  asm volatile("bar.sync 4, %0;\n" ::"n"(kProducerThreads) : "memory");
+}
 
 // Producer thread 0: wait until every GEMM0 tile of `expert` has written its activations (acquire), then
 // release the other producer threads. Bounded like every wait.
