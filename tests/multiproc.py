@@ -12,7 +12,10 @@ from __future__ import annotations
 import os
 import socket
 import time
+from datetime import timedelta
 
+import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 # NVLink multicast (NVLS) is absent on the test machines; every rank process turns it off before
@@ -37,6 +40,14 @@ def free_port() -> int:
 
 def init_method(port: int) -> str:
     return f"tcp://127.0.0.1:{port}"
+
+
+def init_cpu_rank(rank: int, world: int, port: int) -> None:
+    """Call first thing in a CPU rank process: one thread (ranks share the machine's cores), gloo group."""
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=init_method(port), rank=rank, world_size=world, timeout=timedelta(seconds=60)
+    )
 
 
 def apply_rank_env(extra: dict[str, str] | None = None) -> None:

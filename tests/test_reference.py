@@ -8,7 +8,6 @@ process group per world size (all cases inside it) so the file stays well under 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 
 import flashmoe
@@ -32,7 +31,7 @@ from moe_inputs import (
     random_routing,
     storage_order,
 )
-from multiproc import init_method, run_ranks
+from multiproc import init_cpu_rank, run_ranks
 from tolerances import (
     ORACLE_REL_FRO,
     ORACLE_ROW_REL,
@@ -206,10 +205,7 @@ def _make_global_case(case: DistCase, world: int, gen: torch.Generator) -> dict:
 
 def _gloo_reference_worker(rank: int, world: int, port: int, cases_path: str, out_dir: str) -> None:
     """One rank: per case, moe_reference_distributed and a FlashMoE layer (CPU backend) on its rows."""
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=init_method(port), rank=rank, world_size=world, timeout=timedelta(seconds=60)
-    )
+    init_cpu_rank(rank, world, port)
     try:
         cases = torch.load(cases_path)
         results = {}

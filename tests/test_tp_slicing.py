@@ -9,7 +9,6 @@ through this path) is tests/test_vllm_serve.py.
 
 from __future__ import annotations
 
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -25,7 +24,7 @@ from flashmoe.integration.vllm.token_slicing import (
     token_slice,
 )
 from moe_inputs import local_weights, random_expert_weights, random_hidden, random_routing
-from multiproc import init_method, run_ranks
+from multiproc import init_cpu_rank, run_ranks
 from tolerances import SAME_ROUNDING_REL_FRO, SAME_ROUNDING_ROW_REL, assert_within
 
 E, K, H, I = 6, 2, 64, 32
@@ -69,10 +68,7 @@ def test_token_mode_decision(monkeypatch):
 
 
 def _slicing_worker(rank: int, world: int, port: int, cases_path: str, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=init_method(port), rank=rank, world_size=world, timeout=timedelta(seconds=60)
-    )
+    init_cpu_rank(rank, world, port)
     try:
         cases = torch.load(cases_path)
         placement = ExpertPlacement.round_robin(E, world)
