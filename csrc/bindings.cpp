@@ -1,4 +1,4 @@
-// torch.ops.flashmoe.* (torch.ops.flashmoe_stress.* for the stress-test build): thin wrappers over api.h.
+// torch.ops.flashmoe.* (torch.ops.flashmoe_stress.* / flashmoe_trace.* for the stress and trace builds): thin wrappers over api.h.
 // The CUDA stream comes from Python (torch.cuda.current_stream().cuda_stream) so this file needs no
 // CUDA-specific torch headers and compiles against a CPU-only torch (CI's compile check).
 #include <cuda_runtime.h>
@@ -66,6 +66,17 @@ void symmetric_free(int64_t ptr) { flashmoe::symmetric_free(reinterpret_cast<voi
 void barrier_all(int64_t stream) { flashmoe::barrier_all_on_stream(reinterpret_cast<cudaStream_t>(stream)); }
 int64_t max_resident_blocks(int64_t device) { return flashmoe::max_resident_blocks(static_cast<int>(device)); }
 std::string build_info() { return flashmoe::build_info(); }
+
+// Trace builds: [counts int32 [blocks, roles], events int64 [blocks, roles, events, 4]] of the last launch
+// (an event: global ns, SM clock, kind | a << 32, b | c << 32; trace.cuh).
+std::vector<at::Tensor> trace_dump() {
+  TORCH_CHECK(flashmoe::trace_enabled(), "not a trace build: set FLASHMOE_TRACE=1 before flashmoe loads its library");
+  const int64_t blocks = flashmoe::trace_blocks(), roles = flashmoe::trace_roles();
+  auto counts = at::empty({blocks, roles}, at::TensorOptions().dtype(at::kInt));
+  auto events = at::empty({blocks, roles, flashmoe::trace_events_per_list(), 4}, at::TensorOptions().dtype(at::kLong));
+  flashmoe::trace_copy(counts.data_ptr(), events.data_ptr());
+  return {counts, events};
+}
 
 void check_cuda(const at::Tensor& t, const char* name, at::ScalarType dtype, const at::Device& dev) {
   TORCH_CHECK(t.device() == dev, name, " must be on ", dev, ", got ", t.device());
@@ -138,6 +149,7 @@ TORCH_LIBRARY(FLASHMOE_OPS, m) {
   m.def("barrier_all(int stream) -> ()", &barrier_all);
   m.def("max_resident_blocks(int device) -> int", &max_resident_blocks);
   m.def("build_info() -> str", &build_info);
+  m.def("trace_dump() -> Tensor[]", &trace_dump);
   m.def(
       "moe_forward(Tensor hidden_states, Tensor topk_ids, Tensor topk_weights, Tensor w13, Tensor w2, "
       "Tensor expert_rank, Tensor expert_local, Tensor(a!) out, Tensor workspace, Tensor status, "

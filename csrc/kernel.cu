@@ -201,11 +201,27 @@ void launch(const LaunchArgs& a, const Capacity& cap, cudaStream_t stream) {
   check(cudaLaunchKernelEx(&config, moe_layer_kernel, p), "cooperative launch of the megakernel");
 }
 
+bool trace_enabled() { return FLASHMOE_TRACE != 0; }
+int trace_blocks() { return kTraceMaxBlocks; }
+int trace_roles() { return kTraceRoles; }
+int trace_events_per_list() { return kTraceMaxEvents; }
+
+void trace_copy(void* counts_host, void* events_host) {
+#if FLASHMOE_TRACE
+  check(cudaMemcpyFromSymbol(counts_host, g_trace_counts, sizeof(g_trace_counts)), "trace counts");
+  check(cudaMemcpyFromSymbol(events_host, g_trace_events, sizeof(g_trace_events)), "trace events");
+#else
+  (void)counts_host, (void)events_host;
+  throw std::runtime_error("flashmoe: not a trace build (set FLASHMOE_TRACE=1 before the library loads)");
+#endif
+}
+
 std::string build_info() {
- return std::string("flashmoe megakernel: wgmma bf16 swap-AB, ") + std::to_string(kTileWeightRows) +
+  return std::string("flashmoe megakernel: wgmma bf16 swap-AB, ") + std::to_string(kTileWeightRows) +
          " weight rows x 32/64/128 tokens x " + std::to_string(kTileK) + " k, " + std::to_string(stages_for(32)) +
          "/" + std::to_string(stages_for(64)) + "/" + std::to_string(stages_for(128)) +
-         " TMA stages, dynamic task queue, stress_delay_ns=" + std::to_string(FLASHMOE_STRESS_DELAY_NS) + ", NVSHMEM " +
+         " TMA stages, dynamic task queue, stress_delay_ns=" + std::to_string(FLASHMOE_STRESS_DELAY_NS) +
+         (FLASHMOE_TRACE ? ", trace" : "") + ", NVSHMEM " +
          std::to_string(NVSHMEM_VENDOR_MAJOR_VERSION) + "." + std::to_string(NVSHMEM_VENDOR_MINOR_VERSION) + "." +
          std::to_string(NVSHMEM_VENDOR_PATCH_VERSION);
 }

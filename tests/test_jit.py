@@ -217,6 +217,28 @@ def test_every_source_file_is_in_the_key(tmp_path):
         "stress5", "flashmoe_stress", ("FLASHMOE_STRESS_DELAY_NS=5", "FLASHMOE_OPS=flashmoe_stress")
     )
     assert jit.build_key(src, stress, "sm_90a", nvcc) != base
+    assert jit.build_key(src, jit.Variant.trace(), "sm_90a", nvcc) not in (
+        base,
+        jit.build_key(src, stress, "sm_90a", nvcc),
+    )
+
+
+def test_variant_follows_the_environment(monkeypatch):
+    monkeypatch.delenv("FLASHMOE_STRESS_DELAY_NS", raising=False)
+    monkeypatch.delenv("FLASHMOE_TRACE", raising=False)
+    assert jit.Variant.current() == jit.Variant.default()
+    monkeypatch.setenv("FLASHMOE_TRACE", "1")
+    trace = jit.Variant.current()
+    assert (
+        trace.name == "trace"
+        and trace.ops_namespace == "flashmoe_trace"
+        and "FLASHMOE_TRACE=1" in trace.defines
+    )
+    monkeypatch.setenv("FLASHMOE_STRESS_DELAY_NS", "100")
+    with pytest.raises(ValueError, match="set one"):
+        jit.Variant.current()
+    monkeypatch.delenv("FLASHMOE_TRACE")
+    assert jit.Variant.current().ops_namespace == "flashmoe_stress"
 
 
 def test_missing_nvcc_is_a_clear_error(monkeypatch, tmp_path):
@@ -263,7 +285,17 @@ def test_sources_ship_with_the_package():
     src = jit.source_dir()
     assert (src / "kernel.cu").is_file() and (src / "bindings.cpp").is_file()
     roles = {p.stem for p in (src / "flashmoe").glob("*.cuh")}
-    assert {"scheduler", "subscriber", "moe_layer", "tasks", "layout", "comm", "gemm", "hopper", "metrics"} <= roles
+    assert {
+        "scheduler",
+        "subscriber",
+        "moe_layer",
+        "tasks",
+        "layout",
+        "comm",
+        "gemm",
+        "hopper",
+        "metrics",
+    } <= roles
     assert (src / "flashmoe" / "contract.h").is_file()
 
 

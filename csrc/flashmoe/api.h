@@ -38,4 +38,13 @@ int max_resident_blocks(int device);  // co-resident blocks of the kernel on thi
 void launch(const LaunchArgs& args, const Capacity& cap, cudaStream_t stream);
 std::string build_info();
 
+// Trace builds (FLASHMOE_TRACE=1, trace.cuh): the last launch's event lists, copied to host memory of
+// trace_blocks() * kTraceRoles counts (uint32) and as many lists of trace_events_per_list() 32-byte events.
+// Throws in other builds.
+bool trace_enabled();
+int trace_blocks();
+int trace_roles();
+int trace_events_per_list();
+void trace_copy(void* counts_host, void* events_host);
+
 }  // namespace flashmoe

@@ -2,7 +2,7 @@
 // metadata row naming, per top-k slot, the local expert there (or -1). Only routed tokens move.
 //
 // One warp per token: lane j looks at top-k slot j; lanes with the same destination elect the lowest as
-// leader, which takes a slot in that destination's receive area with an atomic (slot order does not affect
+// leader; the leaders take their slots in the destinations' receive areas with one atomic each, all at once (slot order does not affect
 // results: each output row depends only on its own input row). NVLink peers get direct 16-byte stores into
 // their heap; other peers (or all, with FLASHMOE_FORCE_PUT) get warp-wide non-blocking puts from registered
 // staging memory, completed by one quiet before the signal (one fence per destination, as Perseus advises).
@@ -37,6 +37,8 @@ __device__ int dispatch_tokens(const Params& p, const PeerTable& peers) {
     const unsigned same = __match_any_sync(0xffffffffu, dest);
     const bool leader = dest >= 0 && (__ffs(same) - 1) == lane;
     unsigned leaders = __ballot_sync(0xffffffffu, leader);
+    // Every destination's slot at once: one atomic round trip per token, not one per destination.
+    const int my_slot = leader ? static_cast<int>(atomicAdd(send_count + dest, 1u)) : 0;
     // Lane i (1..k) writes metadata entry i-1, so it needs slot i-1's destination and local id.
     const int dest_prev = __shfl_up_sync(0xffffffffu, dest, 1);
     const int local_prev = __shfl_up_sync(0xffffffffu, local, 1);
@@ -47,9 +49,7 @@ __device__ int dispatch_tokens(const Params& p, const PeerTable& peers) {
       const int L = __ffs(leaders) - 1;
       leaders &= leaders - 1;
       const int r = __shfl_sync(0xffffffffu, dest, L);
-      int slot = 0;
-      if (lane == L) slot = static_cast<int>(atomicAdd(send_count + r, 1u));
-      slot = __shfl_sync(0xffffffffu, slot, L);
+      const int slot = __shfl_sync(0xffffffffu, my_slot, L);
       const int meta_value = lane == 0 ? t : (dest_prev == r ? local_prev : -1);
       const int64_t row = static_cast<int64_t>(p.rank) * p.max_tokens_per_rank + slot;  // our rows at the destination
       ++rows_sent;

@@ -23,6 +23,7 @@
 #include "comm.cuh"
 #include "hopper.cuh"
 #include "params.cuh"
+#include "trace.cuh"
 
 namespace flashmoe {
 
@@ -107,7 +108,7 @@ struct GemmSmem {
     }
     for (int s = 0; s < kTaskSlots; ++s) {
       mbar_init(task_full(s), 1);                 // the producer's thread 0 publishes a task index
-      mbar_init(task_empty(s), kThreads - 1);     // every other thread has read it
+      mbar_init(task_empty(s), kThreads - 32);    // every thread outside the producer's first warp has read it
     }
     mbar_init_fence();
   }
@@ -143,6 +144,10 @@ struct PipeState {
   int num_stages = 0;
   int tile_tokens = 0;      // N the pool is carved for; 0 before the first tile
   uint32_t parity = 0;      // bit s: how many times stage s was used, mod 2
+#if FLASHMOE_TRACE
+  uint64_t trace_wait = 0;        // cycles the current tile spent waiting on pipeline barriers
+  uint64_t trace_first_full = 0;  // clock when the tile's first stage had landed (consumers)
+#endif
 
   // At the start of every tile (producer and consumers alike): a tile of another width re-carves the pool.
   // Both sides then meet at a block barrier: the consumers arrive after the previous tile's epilogue, the
@@ -174,11 +179,13 @@ __device__ __forceinline__ void with_tile_tokens(int n, F&& f) {
 
 // Producer side of one tile of `n` tokens (a tile_tokens_for width), `rows` of them valid.
 // `row_at(r)` is the start of token row r (r < rows; the rest are zero-filled); `issue_weights(stage,
-// full_barrier, k0)` issues the TMA loads of the stage's 128 weight rows (kStageWeightBytes in total).
-// All 128 producer threads call it with the same arguments.
-template <typename RowAt, typename IssueWeights>
+// full_barrier, ks)` issues the TMA loads of K step ks's 128 weight rows (kStageWeightBytes in total, thread 0
+// only); `rows_ready(ks)` returns once the token rows' K step ks may be read (all producer threads; the weights
+// of that step are already on their way). All 128 producer threads call it with the same arguments.
+template <typename RowAt, typename IssueWeights, typename RowsReady>
 __device__ __forceinline__ void produce_tile(const Params& p, const GemmSmem& g, PipeState& st, int n, int rows,
-                                             int k_steps, RowAt row_at, IssueWeights issue_weights) {
+                                             int k_steps, RowAt row_at, IssueWeights issue_weights,
+                                             RowsReady rows_ready) {
   with_tile_tokens(n, [&](auto tile) {
     constexpr int N = decltype(tile)::value;
     st.enter(N);
@@ -190,14 +197,19 @@ __device__ __forceinline__ void produce_tile(const Params& p, const GemmSmem& g,
       const int r = (tid >> 3) + 16 * i;
       row[i] = r < rows ? row_at(r) : nullptr;
     }
+    uint64_t waited = 0;
     for (int ks = 0; ks < k_steps; ++ks) {
+      const uint64_t wait_start = trace_clock();
       pipe_wait(p, g, g.empty(st.stage), st.phase() ^ 1u);
+      waited += trace_clock() - wait_start;
       char* stage = g.stage(st.stage, N);
       uint64_t* full = g.full(st.stage);
       if (tid == 0) {
         mbar_arrive_expect_tx(full, kStageWeightBytes);
-        issue_weights(stage, full, ks * kTileK);
+        issue_weights(stage, full, ks);
       }
+      __syncwarp();  // warp 0 whole again before its next wait (see next_task)
+      rows_ready(ks);
       const uint32_t tokens = smem_addr(stage + kStageWeightBytes);
 #pragma unroll
       for (int i = 0; i < N / 16; ++i) {
@@ -208,7 +220,9 @@ __device__ __forceinline__ void produce_tile(const Params& p, const GemmSmem& g,
       }
       mbar_arrive_on_cp_async(full);
       st.advance();
+      if (ks == 0) trace(kTraceProducerFirstIssue);
     }
+    trace(kTraceProducerLastIssue, static_cast<uint32_t>(waited));
   });
 }
 
@@ -220,8 +234,19 @@ __device__ __forceinline__ void consume_tile(const Params& p, const GemmSmem& g,
   const bool warp_leader = (threadIdx.x & 31) == 0;
   int previous = -1;
   int ks = 0;
+#if FLASHMOE_TRACE
+  st.trace_wait = 0;
+#endif
   do {  // k_steps >= 1 (K is a multiple of kTileK); a do-loop keeps ptxas's wgmma pipeline analysis simple
+#if FLASHMOE_TRACE
+    const uint64_t wait_start = clock64();
     pipe_wait(p, g, g.full(st.stage), st.phase());
+    const uint64_t landed = clock64();
+    st.trace_wait += landed - wait_start;
+    if (ks == 0) st.trace_first_full = landed;
+#else
+    pipe_wait(p, g, g.full(st.stage), st.phase());
+#endif
     fence_proxy_async();  // the token rows arrived through cp.async (generic proxy)
     const uint32_t stage = smem_addr(g.stage(st.stage, N));
     const uint64_t a = sw128_desc(stage + consumer * kConsumerRows * 128);

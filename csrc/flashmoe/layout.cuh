@@ -37,7 +37,7 @@ struct WorkspaceLayout {
   int64_t expert_rows, act;
   int64_t rank_send_count;   // [W] u32   rows this rank sends to each destination (atomic slots)
   int64_t expert_count;      // [E_l] u32 rows received per local expert
-  int64_t gemm0_done;        // [E_l] u32 GEMM0 tile completions per local expert (scheduler.cuh)
+  int64_t gemm0_done;        // [E_l][I/64] u32 GEMM0 tile completions per (local expert, feature tile)
   int64_t task_counter;      // u32       GEMM tasks taken by the blocks this call
   int64_t remote_entries;    // u32       received (row, j) entries from other ranks (metrics)
   int64_t barrier;           // u32       grid barrier word
@@ -81,7 +81,7 @@ __host__ __device__ inline WorkspaceLayout workspace_layout(const Capacity& c) {
   l.act = take(max_received_entries(c) * c.intermediate_size * 2);
   l.rank_send_count = take(c.world_size * 4);
   l.expert_count = take(c.max_local * 4);
-  l.gemm0_done = take(c.max_local * 4);
+  l.gemm0_done = take(c.max_local * (c.intermediate_size / kInterMultiple) * 4);
   l.task_counter = take(4);
   l.remote_entries = take(4);
   l.barrier = take(4);

@@ -22,6 +22,7 @@
 #include "scheduler.cuh"
 #include "subscriber.cuh"
 #include "tasks.cuh"
+#include "trace.cuh"
 
 namespace flashmoe {
 
@@ -42,6 +43,7 @@ __device__ void moe_layer(const Params& p) {
   BusyClock clock(p.metrics);
   const bool producer = threadIdx.x < kProducerThreads;
 
+  trace_begin();
   if (threadIdx.x == 0) {
     uint32_t e = *ws_ptr<volatile uint32_t>(p, p.ws_off.epoch) + 1;
     sh.epoch = e == 0 ? 1 : e;  // 0 is the never-signalled value
@@ -56,6 +58,7 @@ __device__ void moe_layer(const Params& p) {
     sh.any_proxied = any;
     if (p.metrics && blockIdx.x == 0) open_record(p, epoch, globaltimer_ns());
   }
+  trace(kTraceStart, epoch);
 
   // 1. Dispatch.
   clock.start();
@@ -64,7 +67,9 @@ __device__ void moe_layer(const Params& p) {
   __threadfence_system();  // our NVLink stores are visible before any signal that follows the barrier
   clock.stop();
   mark_phase_end(p, epoch, kRingDispatchEndNs);
+  trace(kTraceDispatchDone);
   grid_barrier(p, 1, epoch);
+  trace(kTraceBarrier1Done);
   int64_t remote_bytes = 0;
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     // Puts issued by any block of this PE are delivered (NVLink stores were fenced above). Only with proxied
@@ -82,14 +87,18 @@ __device__ void moe_layer(const Params& p) {
 
   // 2. Receive.
   wait_dispatch(p, epoch, sh.recv);
+  trace(kTraceReceiveWaitDone);
   clock.start();
   build_expert_lists(p, sh.recv);
   clock.stop();
   mark_phase_end(p, epoch, kRingReceiveEndNs);
+  trace(kTraceReceiveDone);
   grid_barrier(p, 2, epoch);
+  trace(kTraceBarrier2Done);
 
   // 3-4. GEMM0 (+ SwiGLU) and GEMM1 into the owners' combine buffers, one task queue (scheduler.cuh).
   build_expert_table(p, sh.table);
+  trace(kTraceGemmStart);
   clock.start();
   if (producer) produce_tasks(p, gemm, sh.table);
   else remote_bytes += consume_tasks(p, sh.peers, sh.any_proxied, gemm, sh.table);
@@ -97,7 +106,9 @@ __device__ void moe_layer(const Params& p) {
   clock.stop();
   __syncthreads();
   mark_phase_end(p, epoch, kRingGemm1EndNs);
+  trace(kTraceGemmDone);
   grid_barrier(p, 3, epoch);
+  trace(kTraceBarrier3Done);
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     if (sh.any_proxied) nvshmem_quiet();
     for (int r = 0; r < p.world_size; ++r)
@@ -106,18 +117,24 @@ __device__ void moe_layer(const Params& p) {
     // Counters for the next call: their last readers finished before barrier 3.
     uint32_t* send_count = ws_ptr<uint32_t>(p, p.ws_off.rank_send_count);
     for (int r = 0; r < p.world_size; ++r) send_count[r] = 0;
-    uint32_t* expert_count = ws_ptr<uint32_t>(p, p.ws_off.expert_count);
-    uint32_t* gemm0_done = ws_ptr<uint32_t>(p, p.ws_off.gemm0_done);
-    for (int e = 0; e < p.num_local; ++e) expert_count[e] = gemm0_done[e] = 0;
     *ws_ptr<uint32_t>(p, p.ws_off.task_counter) = 0;
     *ws_ptr<uint32_t>(p, p.ws_off.epoch) = epoch;
+  }
+  if (blockIdx.x == 0) {
+    uint32_t* expert_count = ws_ptr<uint32_t>(p, p.ws_off.expert_count);
+    for (int e = threadIdx.x; e < p.num_local; e += blockDim.x) expert_count[e] = 0;
+    uint32_t* gemm0_done = ws_ptr<uint32_t>(p, p.ws_off.gemm0_done);
+    const int pairs = p.num_local * (p.intermediate_size / kInterMultiple);
+    for (int i = threadIdx.x; i < pairs; i += blockDim.x) gemm0_done[i] = 0;
   }
 
   // 4. Combine.
   wait_combine(p, epoch);
+  trace(kTraceCombineWaitDone);
   clock.start();
   combine_tokens(p);
   clock.stop();
+  trace(kTraceEnd);
 
   if (p.metrics) {
     __shared__ unsigned long long block_rows, block_bytes;

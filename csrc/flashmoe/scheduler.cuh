@@ -7,10 +7,10 @@
 // each expert-major, then feature tile, then token tile fastest (the token tiles of one weight tile run at
 // the same time on neighbouring blocks, so weights stream from HBM once per call). Blocks take tasks from
 // one counter per call as they finish earlier ones, so GEMM0 and GEMM1 run without a grid barrier between
-// them and no block idles while another still has a queue. A GEMM1 task waits for its expert's GEMM0 tiles
-// (a per-expert completion counter): by the time the counter reaches an expert's GEMM1 tasks, every GEMM0
-// task has been taken and that expert's were taken first, so the wait is short and cannot deadlock (a block
-// issues all loads of a task before it takes the next).
+// them and no block idles while another still has a queue. A GEMM1 task streams its weights at once; the
+// activation rows of its K step s wait for the GEMM0 tiles of (expert, feature tile s) (a completion counter
+// per pair). Every GEMM0 task is taken before any GEMM1 task and a block issues all loads of a task before
+// it takes the next, so the wait cannot deadlock; at small T it overlaps GEMM1's weight stream with GEMM0.
 //
 // Each expert gets the smallest token tile that holds its rows (32, 64, else 128-row tiles), so decode
 // experts with a handful of rows cost one weight pass.
@@ -19,6 +19,7 @@
 #include "common.cuh"
 #include "gemm.cuh"
 #include "params.cuh"
+#include "trace.cuh"
 
 namespace flashmoe {
 
@@ -30,21 +31,40 @@ struct ExpertTable {
 
 __device__ __forceinline__ int token_tiles(int rows) { return rows == 0 ? 0 : ceil_div(rows, tile_tokens_for(rows)); }
 
-// Fill the table from the workspace counters (all blocks compute the same thing).
+// Fill the table from the workspace counters (all blocks compute the same thing): warp 0 scans the counts 32
+// experts at a time.
 __device__ void build_expert_table(const Params& p, ExpertTable& t) {
   const uint32_t* counts = ws_ptr<uint32_t>(p, p.ws_off.expert_count);
   for (int e = threadIdx.x; e < p.num_local; e += blockDim.x) t.count[e] = static_cast<int>(__ldcg(counts + e));
   __syncthreads();
-  if (threadIdx.x == 0) {
-    int rows = 0, tiles = 0;
-    for (int e = 0; e < p.num_local; ++e) {
-      t.row_offset[e] = rows;
-      t.tile_offset[e] = tiles;
-      rows += t.count[e];
-      tiles += token_tiles(t.count[e]);
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x;
+    int rows_before = 0, tiles_before = 0;
+    for (int base = 0; base < p.num_local; base += 32) {
+      const int e = base + lane;
+      const int count = e < p.num_local ? t.count[e] : 0;
+      const int tiles = token_tiles(count);
+      int rows_incl = count, tiles_incl = tiles;
+#pragma unroll
+      for (int d = 1; d < 32; d <<= 1) {
+        const int r = __shfl_up_sync(0xffffffffu, rows_incl, d);
+        const int q = __shfl_up_sync(0xffffffffu, tiles_incl, d);
+        if (lane >= d) {
+          rows_incl += r;
+          tiles_incl += q;
+        }
+      }
+      if (e < p.num_local) {
+        t.row_offset[e] = rows_before + rows_incl - count;
+        t.tile_offset[e] = tiles_before + tiles_incl - tiles;
+      }
+      rows_before += __shfl_sync(0xffffffffu, rows_incl, 31);
+      tiles_before += __shfl_sync(0xffffffffu, tiles_incl, 31);
     }
-    t.row_offset[p.num_local] = rows;
-    t.tile_offset[p.num_local] = tiles;
+    if (lane == 0) {
+      t.row_offset[p.num_local] = rows_before;
+      t.tile_offset[p.num_local] = tiles_before;
+    }
   }
   __syncthreads();
 }
@@ -75,9 +95,9 @@ __device__ __forceinline__ TaskCounts task_counts(const Params& p, const ExpertT
   return c;
 }
 
-// GEMM0 tile completions an expert's GEMM1 tasks wait for: one per consumer warpgroup per GEMM0 tile.
-__device__ __forceinline__ uint32_t gemm0_arrivals(const TaskCounts& c, const ExpertTable& t, int expert) {
-  return static_cast<uint32_t>(kConsumers * c.feature_tiles[0] * token_tiles(t.count[expert]));
+// Completions of one (expert, GEMM0 feature tile) pair: one per consumer warpgroup per token tile.
+__device__ __forceinline__ uint32_t gemm0_arrivals(const ExpertTable& t, int expert) {
+  return static_cast<uint32_t>(kConsumers * token_tiles(t.count[expert]));
 }
 
 // Flat task index -> task. Binary search for the last expert whose first task is <= index (experts without
@@ -105,10 +125,13 @@ __device__ __forceinline__ Task decode_task(const ExpertTable& t, int num_local,
 }
 
 // The block's window on the task counter: the producer's thread 0 takes the next index and publishes it in a
-// shared-memory slot; every other thread of the block reads it from there (up to kTaskSlots not yet read by all).
+// shared-memory slot; the rest of its warp gets it by shuffle, every other warp reads the slot (up to
+// kTaskSlots indices not yet read by all).
 struct TaskQueue {
   int slot = 0;
   uint32_t phase = 0;
+  uint32_t reserved = 0;      // producer thread 0: an index taken ahead by reserve_task
+  bool has_reserved = false;
   __device__ void advance() {
     if (++slot == kTaskSlots) {
       slot = 0;
@@ -117,22 +140,45 @@ struct TaskQueue {
   }
 };
 
+// Stages before the end of a tile at which the producer takes the next task index: the atomic's round trip
+// (1-2 us while HBM streams) then overlaps the tile's last loads instead of delaying the next tile's first.
+// A few stages, not a whole tile: reserving a tile ahead left blocks idle at T = 1 (kernel-notes.md).
+constexpr int kReserveStages = 4;
+
+// Producer thread 0: take the next index now; next_task publishes it. Its value is first read there, so the
+// thread does not wait for the atomic here.
+__device__ __forceinline__ void reserve_task(const Params& p, TaskQueue& q) {
+  if (!q.has_reserved) {
+    q.reserved = atomicAdd(ws_ptr<uint32_t>(p, p.ws_off.task_counter), 1u);
+    q.has_reserved = true;
+  }
+}
+
 // Next task index of this block, or -1 when the call's tasks are all taken. Called by every thread of the
 // block in the same order, so all threads take the same branches (the GEMM phases have block barriers).
+// Every wait is uniform within a warp: a lane spinning on a barrier that another lane of its own warp must
+// release would hold that lane back (divergent paths of a warp share its issue slots).
 // The wait for a published index ignores the abort flag: thread 0 publishes promptly even after an abort
 // (its own waits give up then), and a thread that read a stale index would leave the block's threads on
 // different tasks.
 __device__ __forceinline__ int next_task(const Params& p, const GemmSmem& g, TaskQueue& q, int total) {
-  int index;
-  if (threadIdx.x == 0) {
-    pipe_wait(p, g, g.task_empty(q.slot), q.phase ^ 1u);
-    index = static_cast<int>(atomicAdd(ws_ptr<uint32_t>(p, p.ws_off.task_counter), 1u));
-    if (index >= total) index = -1;
-    *g.task_index(q.slot) = index;
-    mbar_arrive(g.task_full(q.slot));  // release: the index is visible to the waiters
+  int index = 0;
+  if (threadIdx.x < 32) {
+    if (threadIdx.x == 0) {
+      pipe_wait(p, g, g.task_empty(q.slot), q.phase ^ 1u);
+      trace(kTraceProducerSlotFree);
+      reserve_task(p, q);
+      q.has_reserved = false;
+      index = q.reserved >= static_cast<uint32_t>(total) ? -1 : static_cast<int>(q.reserved);
+      trace(kTraceProducerIndex, static_cast<uint32_t>(index));
+      *g.task_index(q.slot) = index;
+      mbar_arrive(g.task_full(q.slot));  // release: the index is visible to the waiters
+    }
+    index = __shfl_sync(0xffffffffu, index, 0);
   } else {
     pipe_wait(p, g, g.task_full(q.slot), q.phase, /*give_up_on_abort=*/false);
     index = *reinterpret_cast<volatile int*>(g.task_index(q.slot));
+    trace(kTraceConsumerSlotRead);
     mbar_arrive(g.task_empty(q.slot));
   }
   q.advance();

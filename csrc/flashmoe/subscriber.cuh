@@ -29,23 +29,24 @@ __device__ void wait_dispatch(const Params& p, uint32_t epoch, Received& recv) {
   __syncthreads();
 }
 
-// One thread per received row: append (row, j) to its experts' lists.
+// One thread per received (row, top-k slot): append (row, j) to its expert's list. Per entry, not per row, so
+// no thread runs k dependent load -> atomic -> store chains in a row.
 __device__ void build_expert_lists(const Params& p, const Received& recv) {
   const int k = p.top_k;
   const int64_t mstride = meta_stride(k);
   const int* meta = sym_ptr<int>(p, p.sym_off.recv_meta);
   uint32_t* expert_count = ws_ptr<uint32_t>(p, p.ws_off.expert_count);
   int* expert_rows = ws_ptr<int>(p, p.ws_off.expert_rows);
-  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < recv.total; i += gridDim.x * blockDim.x) {
-    int s = 0, slot = i;
+  const int entries = recv.total * k;
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < entries; i += gridDim.x * blockDim.x) {
+    const int received = i / k, j = i - received * k;
+    int s = 0, slot = received;
     while (slot >= recv.rows[s]) slot -= recv.rows[s++];
     const int64_t row = static_cast<int64_t>(s) * p.max_tokens_per_rank + slot;
-    for (int j = 0; j < k; ++j) {
-      const int local = ldcg(meta + row * mstride + 1 + j);
-      if (local < 0) continue;
-      const uint32_t pos = atomicAdd(expert_count + local, 1u);
-      expert_rows[static_cast<int64_t>(local) * p.expert_rows_stride + pos] = static_cast<int>(row << 4) | j;
-    }
+    const int local = ldcg(meta + row * mstride + 1 + j);
+    if (local < 0) continue;
+    const uint32_t pos = atomicAdd(expert_count + local, 1u);
+    expert_rows[static_cast<int64_t>(local) * p.expert_rows_stride + pos] = static_cast<int>(row << 4) | j;
   }
 }
 

@@ -2,10 +2,10 @@
 // scheduler (scheduler.cuh) says which task runs next.
 //   GEMM0: act = silu(x W_gate^T) * (x W_up^T); x = received rows gathered through the expert's list,
 //          W = the engine's w13 read in place (gate and up rows of 32 features per consumer, one mainloop).
-//          Each finished tile counts on its expert's completion counter.
+//          Each finished tile counts on its (expert, feature tile) completion counter.
 //   GEMM1: y = act W2^T, each bf16 row written straight into the combine buffer of the rank that owns the
-//          token, at slot (token, j), so the source reduces over j in a fixed order (no atomics). Its token
-//          rows are loaded once the expert's GEMM0 tiles have all counted.
+//          token, at slot (token, j), so the source reduces over j in a fixed order (no atomics). Its weights
+//          stream at once; the activations of K step s load once (expert, feature tile s) has all counted.
 // The producer warpgroup runs produce_tasks, the consumer warpgroups consume_tasks; both walk the block's
 // task sequence from the queue, so their pipeline states stay in step.
 #pragma once
@@ -16,6 +16,7 @@
 #include "metrics.cuh"
 #include "params.cuh"
 #include "scheduler.cuh"
+#include "trace.cuh"
 
 namespace flashmoe {
 
@@ -23,37 +24,54 @@ __device__ __forceinline__ const int* expert_list(const Params& p, int expert) {
   return ws_ptr<int>(p, p.ws_off.expert_rows) + static_cast<int64_t>(expert) * p.expert_rows_stride;
 }
 
-__device__ __forceinline__ uint32_t* gemm0_done(const Params& p, int expert) {
-  return ws_ptr<uint32_t>(p, p.ws_off.gemm0_done) + expert;
+// Completion counter of (local expert, GEMM0 feature tile).
+__device__ __forceinline__ uint32_t* gemm0_done(const Params& p, int expert, int feature_tile) {
+  return ws_ptr<uint32_t>(p, p.ws_off.gemm0_done) +
+         static_cast<int64_t>(expert) * (p.intermediate_size / kGemm0TileFeatures) + feature_tile;
 }
 
-// Named barrier of the producer warpgroup (id 4).
-__device__ __forceinline__ void producer_sync() {
-  asm volatile("bar.sync 4, %0;\n" ::"n"(kProducerThreads) : "memory");
-}
+// Which K steps of a GEMM1 tile have their activation rows written: bit s of `ready` is K step window + s.
+// Every producer warp reads up to 32 counters at once (lane s reads step window + s) and shares the result by
+// ballot, so a ready tile costs one round trip and a warp never waits on its own lanes.
+struct ActReadiness {
+  const uint32_t* counters;  // the expert's [I/64] completion counters
+  uint32_t arrivals;         // each counter's value once its GEMM0 feature tile is done
+  int k_steps;
+  int window = 0;
+  uint32_t ready = 0;
+  bool polled = false;
 
-// Producer thread 0: wait until every GEMM0 tile of `expert` has written its activations (acquire), then
-// release the other producer threads. Bounded like every wait.
-__device__ void wait_expert_ready(const Params& p, const GemmSmem& g, int expert, uint32_t arrivals) {
-  if (threadIdx.x == 0) {
-    const uint32_t* counter = gemm0_done(p, expert);
-    if (ld_acquire_gpu(counter) < arrivals) {
-      const uint64_t start = globaltimer_ns();
-      uint32_t spins = 0;
-      uint32_t seen;
-      while ((seen = ld_acquire_gpu(counter)) < arrivals) {
-        if ((++spins & 63) == 0) {
-          if (aborted(p)) break;
-          if (globaltimer_ns() - start > p.timeout_ns) {
-            record_timeout(p, kPhaseExpertReady, -1, expert, g.epoch, seen);
-            break;
-          }
+  // Returns once K step ks is ready; `on_first_wait()` runs (on every calling thread) if the first look
+  // finds it not ready.
+  template <typename OnFirstWait>
+  __device__ void wait(const Params& p, const GemmSmem& g, int expert, int ks, OnFirstWait on_first_wait) {
+    if (ks - window >= 32) {
+      window = ks;
+      polled = false;
+    }
+    if (polled && (ready >> (ks - window) & 1u)) return;
+    const int lane = threadIdx.x & 31;
+    const int step = window + lane;
+    const uint64_t start = globaltimer_ns();
+    for (uint32_t spins = 0;; ++spins) {
+      const bool ok = step >= k_steps || ld_acquire_gpu(counters + step) >= arrivals;
+      ready = __ballot_sync(0xffffffffu, ok);
+      polled = true;
+      if (ready >> (ks - window) & 1u) break;
+      if (spins == 0) on_first_wait();
+      if ((spins & 15) == 15) {
+        if (aborted(p)) break;
+        if (globaltimer_ns() - start > p.timeout_ns) {
+          if (lane == 0 && threadIdx.x == 0)
+            record_timeout(p, kPhaseExpertReady, -1, static_cast<int64_t>(expert) << 16 | ks, g.epoch,
+                           ld_acquire_gpu(counters + ks));
+          break;
         }
       }
     }
+    __syncwarp();  // each lane's acquire orders the activation reads of the whole warp
   }
-  producer_sync();
-}
+};
 
 // The producer warpgroup's whole GEMM phase.
 __device__ __noinline__ void produce_tasks(const Params& p, const GemmSmem& g, const ExpertTable& table) {
@@ -65,26 +83,44 @@ __device__ __noinline__ void produce_tasks(const Params& p, const GemmSmem& g, c
   int index;
   while ((index = next_task(p, g, queue, counts.total)) >= 0) {
     const Task task = decode_task(table, p.num_local, counts, index);
+    trace(kTraceProducerTask, index, task.gemm << 24 | task.expert,
+          task.feature_tile << 16 | task.tile_tokens << 8 | task.rows);
+    const int k_steps = (task.gemm == 0 ? p.hidden_size : p.intermediate_size) / kTileK;
+    const int reserve_step = k_steps > kReserveStages ? k_steps - kReserveStages : 0;
     if (task.gemm == 0) {
+      trace(kTraceProducerReady);
       const int* list = expert_list(p, task.expert) + task.first_row;
       // One 5-D box = the stage: 8 groups of (8 gate rows, the same 8 features' up rows).
       produce_tile(
-          p, g, st, task.tile_tokens, task.rows, p.hidden_size / kTileK,
+          p, g, st, task.tile_tokens, task.rows, k_steps,
           [&](int r) { return recv + static_cast<int64_t>(ldcg(list + r) >> 4) * p.hidden_size; },
-          [&](char* stage, uint64_t* full, int k0) {
-            tma_load_5d(stage, &p.tmap_w13, full, k0, 0, 0, task.feature_tile * (kGemm0TileFeatures / 8),
+          [&](char* stage, uint64_t* full, int ks) {
+            tma_load_5d(stage, &p.tmap_w13, full, ks * kTileK, 0, 0, task.feature_tile * (kGemm0TileFeatures / 8),
                         task.expert);
-          });
+            if (ks == reserve_step) reserve_task(p, queue);
+          },
+          [](int) {});
     } else {
-      wait_expert_ready(p, g, task.expert, gemm0_arrivals(counts, table, task.expert));
       const int64_t first = table.row_offset[task.expert] + task.first_row;
+      ActReadiness readiness{gemm0_done(p, task.expert, 0), gemm0_arrivals(table, task.expert), k_steps};
       // w2 viewed as [E_l H][I]: one box = the tile's 128 output-feature rows.
       produce_tile(
-          p, g, st, task.tile_tokens, task.rows, p.intermediate_size / kTileK,
+          p, g, st, task.tile_tokens, task.rows, k_steps,
           [&](int r) { return act + (first + r) * p.intermediate_size; },
-          [&](char* stage, uint64_t* full, int k0) {
-            tma_load_2d(stage, &p.tmap_w2, full, k0,
+          [&](char* stage, uint64_t* full, int ks) {
+            tma_load_2d(stage, &p.tmap_w2, full, ks * kTileK,
                         task.expert * p.hidden_size + task.feature_tile * kGemm1TileFeatures);
+            if (ks == reserve_step) reserve_task(p, queue);
+          },
+          [&](int ks) {
+            // Not ready (small T: GEMM0 still streaming): pull the tile's remaining weights into L2 meanwhile.
+            readiness.wait(p, g, task.expert, ks, [&] {
+              if (threadIdx.x == 0 && ks == 0)
+                for (int s = 1; s < k_steps; ++s)
+                  tma_prefetch_l2_2d(&p.tmap_w2, s * kTileK,
+                                     task.expert * p.hidden_size + task.feature_tile * kGemm1TileFeatures);
+            });
+            if (ks == 0) trace(kTraceProducerReady);
           });
     }
   }
@@ -107,9 +143,11 @@ __device__ __forceinline__ void store_activations(const Params& p, const GemmSme
   consumer_sync(consumer);  // every row stored; staging is rewritten by the next tile
   if (tid == 0) {
     __threadfence();  // the warpgroup's stores (ordered by the barrier) before the count: release
-    atomicAdd(gemm0_done(p, task.expert), 1u);
+    atomicAdd(gemm0_done(p, task.expert, task.feature_tile), 1u);
     mark_time(p, g.epoch, kRingGemm0EndNs);  // the last GEMM0 tile of the call
   }
+  __syncwarp();
+  trace(kTraceConsumerCounted);
 }
 
 // GEMM1 epilogue of one consumer: its 64 output features of the tile's rows into the owners' combine buffers.
@@ -162,6 +200,15 @@ __device__ __forceinline__ int64_t store_outputs(const Params& p, const PeerTabl
   return remote_bytes;
 }
 
+__device__ __forceinline__ void trace_mma_done(const PipeState& st) {
+#if FLASHMOE_TRACE
+  trace_at(kTraceConsumerFirstFull, st.trace_first_full);
+  trace(kTraceConsumerMmaDone, static_cast<uint32_t>(st.trace_wait));
+#else
+  (void)st;
+#endif
+}
+
 // A consumer warpgroup's whole GEMM phase. Returns the bytes its tiles sent to other ranks (metrics).
 __device__ int64_t consume_tasks(const Params& p, const PeerTable& peers, bool any_proxied, const GemmSmem& g,
                                  const ExpertTable& table) {
@@ -173,14 +220,18 @@ __device__ int64_t consume_tasks(const Params& p, const PeerTable& peers, bool a
   int index;
   while ((index = next_task(p, g, queue, counts.total)) >= 0) {
     const Task task = decode_task(table, p.num_local, counts, index);
+    trace(kTraceConsumerTask, index);
     if (task.gemm == 0) {
       const bf16* staging = mma_tile_to_staging<true>(p, g, st, task.tile_tokens, p.hidden_size / kTileK);
+      trace_mma_done(st);
       consumer_sync(consumer);
       store_activations(p, g, table, task, staging, consumer);
     } else {
       const bf16* staging = mma_tile_to_staging<false>(p, g, st, task.tile_tokens, p.intermediate_size / kTileK);
+      trace_mma_done(st);
       remote_bytes += store_outputs(p, peers, any_proxied, g, task, staging, consumer);
     }
+    trace(kTraceConsumerEpilogueDone);
   }
   return remote_bytes;
 }

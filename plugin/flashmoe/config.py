@@ -40,6 +40,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("FLASHMOE_METRICS_BRIDGE_DIR", "", "Set by the vLLM plugin for its workers (not by users): where they leave metrics for the API server's /metrics."),
     EnvVar("FLASHMOE_SGLANG_FALLBACK", "", "Set by the SGLang plugin's launcher for its schedulers (not by users): why the megakernel was not selected, counted in the fallback metric."),
     EnvVar("FLASHMOE_STRESS_DELAY_NS", "0", "Test only: build a kernel variant that sleeps a random 0..N ns before each signal and wait (race hunting)."),
+    EnvVar("FLASHMOE_TRACE", "0", "Profiling only: build a kernel variant that records a tile-level timeline of each launch (scripts/kernel_trace.py reads it)."),
 )
 # fmt: on
 
@@ -95,6 +96,10 @@ def jit_verbose() -> bool:
 
 def stress_delay_ns() -> int:
     return env_int("FLASHMOE_STRESS_DELAY_NS")
+
+
+def trace() -> bool:
+    return env_flag("FLASHMOE_TRACE")
 
 
 # --- the op and the kernel's runtime arguments

@@ -35,13 +35,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument(
         "--variant",
-        choices=["default", "stress"],
+        choices=["default", "stress", "trace"],
         default=None,
-        help="default: from FLASHMOE_STRESS_DELAY_NS; stress: that delay, or 2000 ns if unset",
+        help="default: from FLASHMOE_STRESS_DELAY_NS / FLASHMOE_TRACE; stress: that delay, or 2000 ns if unset; trace: the timeline build",
     )
     args = ap.parse_args(argv)
     if args.variant == "stress":
         variant = Variant.stress(config.stress_delay_ns() or 2000)
+    elif args.variant == "trace":
+        variant = Variant.trace()
     elif args.variant == "default":
         variant = Variant.default()
     else:

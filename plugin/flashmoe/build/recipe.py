@@ -19,7 +19,7 @@ from .toolchain import nvshmem_dir
 
 @dataclass(frozen=True)
 class Variant:
-    name: str  # "default" or "stress<ns>"
+    name: str  # "default", "stress<ns>" or "trace"
     ops_namespace: str  # torch.ops.<ns>
     defines: tuple[str, ...]
 
@@ -37,10 +37,19 @@ class Variant:
         )
 
     @staticmethod
+    def trace() -> Variant:
+        """Records a tile-level timeline of each launch (csrc/flashmoe/trace.cuh); its own op namespace."""
+        return Variant("trace", "flashmoe_trace", ("FLASHMOE_TRACE=1", "FLASHMOE_OPS=flashmoe_trace"))
+
+    @staticmethod
     def current() -> Variant:
-        """The variant FLASHMOE_STRESS_DELAY_NS asks for."""
+        """The variant FLASHMOE_STRESS_DELAY_NS or FLASHMOE_TRACE asks for (not both)."""
         delay = config.stress_delay_ns()
-        return Variant.stress(delay) if delay > 0 else Variant.default()
+        if delay > 0 and config.trace():
+            raise ValueError("FLASHMOE_STRESS_DELAY_NS and FLASHMOE_TRACE select different builds; set one")
+        if delay > 0:
+            return Variant.stress(delay)
+        return Variant.trace() if config.trace() else Variant.default()
 
 
 def _gencode(arch: str) -> str:

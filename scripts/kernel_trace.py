@@ -1,0 +1,310 @@
+"""One GPU, world 1: a tile-level timeline of one megakernel launch per token count (the trace build).
+
+    python scripts/kernel_trace.py --shape qwen3-30b/ep4 --tokens 1,8,128,4096 --out /tmp/trace.json
+
+Builds and loads the `trace` variant (FLASHMOE_TRACE=1, csrc/flashmoe/trace.cuh): thread 0 of every block
+records its phase boundaries and, as the GEMM producer, each task it takes, when the task's rows were located
+(GEMM1: its expert's GEMM0 tiles counted), when its first and last stage were issued and how long it waited
+for free stages; each consumer warpgroup's leader records each task, when its first stage landed, when its
+mainloop finished (with the time spent waiting for stages) and when its epilogue finished.
+
+Each launch reads weights no earlier launch of the run touched recently (several weight sets, rotated), so the
+traced launch streams from HBM as in serving. The traced launch is checked against the same-rounding
+reference. Printed per token count: the phase ends over blocks, and per kind of tile (GEMM, token width)
+the median time of each part of a tile and the bytes per SM per microsecond it streamed; the JSON keeps every
+event. The trace build reads timers around every pipeline wait, so its times are a little longer than the
+plain build's; compare parts within one trace, and totals with kernel_check.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+os.environ["FLASHMOE_TRACE"] = "1"  # before flashmoe loads its library
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+from flashmoe.reference import moe_reference  # noqa: E402
+from kernel_check import SHAPES, l2_bytes, layer, routing, weights  # noqa: E402
+
+# Event kinds (csrc/flashmoe/trace.cuh).
+PHASES = {
+    0: "start",
+    1: "dispatch",
+    2: "barrier1",
+    3: "receive_wait",
+    4: "receive",
+    5: "barrier2",
+    6: "gemm_start",
+    7: "gemm",
+    8: "barrier3",
+    9: "combine_wait",
+    10: "end",
+}
+PRODUCER_TASK, PRODUCER_READY, PRODUCER_FIRST, PRODUCER_LAST = 20, 21, 22, 23
+PRODUCER_SLOT_FREE, PRODUCER_INDEX = 24, 25
+CONSUMER_TASK, CONSUMER_FIRST_FULL, CONSUMER_MMA, CONSUMER_EPILOGUE = 30, 31, 32, 33
+CONSUMER_SLOT_READ, CONSUMER_COUNTED = 34, 35
+TILE_WEIGHT_ROWS = 128
+KIND_NAMES = {
+    PRODUCER_TASK: "task",
+    PRODUCER_READY: "rows_ready",
+    PRODUCER_FIRST: "first_issue",
+    PRODUCER_LAST: "last_issue",
+    PRODUCER_SLOT_FREE: "slot_free",
+    PRODUCER_INDEX: "index_known",
+    CONSUMER_TASK: "task",
+    CONSUMER_MMA: "mainloop_done",
+    CONSUMER_EPILOGUE: "epilogue_done",
+    CONSUMER_SLOT_READ: "slot_read",
+    CONSUMER_COUNTED: "counted",
+}
+ROLES = ("thread0", "consumer0", "consumer1")
+
+
+def decode(counts: torch.Tensor, events: torch.Tensor, blocks: int) -> list[list[list[tuple]]]:
+    """[block][role] -> [(global_ns, clock, kind, a, b, c)] of the last launch."""
+    out = []
+    for blk in range(blocks):
+        roles = []
+        for role in range(counts.shape[1]):
+            n = int(counts[blk, role])
+            ev = events[blk, role, :n].tolist()
+            roles.append(
+                [
+                    (g, c, w0 & 0xFFFFFFFF, w0 >> 32 & 0xFFFFFFFF, w1 & 0xFFFFFFFF, w1 >> 32 & 0xFFFFFFFF)
+                    for g, c, w0, w1 in ev
+                ]
+            )
+        out.append(roles)
+    return out
+
+
+def clock_rate(lists: list[list[tuple]]) -> tuple[float, int, int]:
+    """(cycles per ns, clock, ns) of a block: a straight line through its first and last events."""
+    ev = sorted((e for role in lists for e in role if e[2] != CONSUMER_FIRST_FULL), key=lambda e: e[1])
+    if len(ev) < 2 or ev[-1][0] == ev[0][0]:
+        return 1.98, ev[0][1] if ev else 0, ev[0][0] if ev else 0
+    return (ev[-1][1] - ev[0][1]) / (ev[-1][0] - ev[0][0]), ev[0][1], ev[0][0]
+
+
+def median(xs):
+    return statistics.median(xs) if xs else float("nan")
+
+
+def analyse(trace: list[list[list[tuple]]], H: int, I: int) -> dict:
+    t0 = min(role[0][0] for blk in trace for role in blk if role)
+    phases: dict[str, list[float]] = {name: [] for name in PHASES.values()}
+    tiles = []
+    producer = []
+    for blk, lists in enumerate(trace):
+        rate, clk0, ns0 = clock_rate(lists)
+
+        def at_clock(c, rate=rate, clk0=clk0, ns0=ns0):
+            return ns0 + (c - clk0) / rate - t0
+
+        for g, _, kind, *_ in lists[0]:
+            if kind in PHASES:
+                phases[PHASES[kind]].append((g - t0) / 1e3)
+        # Producer: one record per task.
+        cur = None
+        for g, _, kind, a, b, cc in lists[0]:
+            if kind == PRODUCER_TASK:
+                cur = {
+                    "block": blk,
+                    "index": a,
+                    "gemm": b >> 24,
+                    "expert": b & 0xFFFFFF,
+                    "feature_tile": cc >> 16,
+                    "n": cc >> 8 & 0xFF,
+                    "rows": cc & 0xFF,
+                    "taken": (g - t0) / 1e3,
+                }
+                producer.append(cur)
+            elif cur is not None and kind == PRODUCER_READY:
+                cur["ready"] = (g - t0) / 1e3
+            elif cur is not None and kind == PRODUCER_FIRST:
+                cur["first_issue"] = (g - t0) / 1e3
+            elif cur is not None and kind == PRODUCER_LAST:
+                cur["last_issue"] = (g - t0) / 1e3
+                cur["empty_wait"] = a / rate / 1e3
+        # Consumer 0's view of each tile (consumer 1 runs the same tiles in lockstep).
+        by_index = {p["index"]: p for p in producer if p["block"] == blk}
+        cur = None
+        for g, c, kind, a, *_ in lists[1]:
+            if kind == CONSUMER_TASK:
+                cur = {"block": blk, "index": a, "taken": (g - t0) / 1e3}
+                tiles.append(cur)
+                cur.update({k: by_index.get(a, {}).get(k) for k in ("gemm", "n", "rows", "expert")})
+            elif cur is not None and kind == CONSUMER_FIRST_FULL:
+                cur["first_full"] = at_clock(c) / 1e3
+            elif cur is not None and kind == CONSUMER_MMA:
+                cur["mma_done"] = (g - t0) / 1e3
+                cur["full_wait"] = a / rate / 1e3
+            elif cur is not None and kind == CONSUMER_EPILOGUE:
+                cur["epilogue_done"] = (g - t0) / 1e3
+    # Per block: the gap between a tile's epilogue and the next tile's first landed stage.
+    by_block: dict[int, list[dict]] = {}
+    for t in tiles:
+        by_block.setdefault(t["block"], []).append(t)
+    for lst in by_block.values():
+        for prev, t in zip(lst, lst[1:], strict=False):
+            if "epilogue_done" in prev and "first_full" in t:
+                t["gap_before"] = t["first_full"] - prev["epilogue_done"]
+    groups: dict[str, dict] = {}
+    for t in tiles:
+        if t.get("gemm") is None or "epilogue_done" not in t or "first_full" not in t:
+            continue
+        key = f"gemm{t['gemm']}/N{t['n']}"
+        k = H if t["gemm"] == 0 else I
+        g = groups.setdefault(
+            key, {"tiles": 0, "weight_bytes_per_tile": TILE_WEIGHT_ROWS * k * 2, "parts": {}}
+        )
+        g["tiles"] += 1
+        for name, value in (
+            ("wait_first_stage", t["first_full"] - t["taken"]),
+            ("mainloop", t["mma_done"] - t["first_full"]),
+            ("full_wait_in_mainloop", t["full_wait"]),
+            ("epilogue", t["epilogue_done"] - t["mma_done"]),
+            ("gap_before", t.get("gap_before")),
+            ("tile_total", t["epilogue_done"] - t["taken"]),
+        ):
+            if value is not None:
+                g["parts"].setdefault(name, []).append(value)
+    for g in groups.values():
+        parts = g.pop("parts")
+        g["median_us"] = {k: round(median(v), 3) for k, v in parts.items()}
+        g["sum_us"] = {k: round(sum(v), 1) for k, v in parts.items()}
+        ml = g["median_us"].get("mainloop")
+        g["mainloop_gb_per_s_per_sm"] = round(g["weight_bytes_per_tile"] / ml / 1e3, 1) if ml else None
+    prod = {}
+    for p in producer:
+        if "first_issue" not in p:
+            continue
+        key = f"gemm{p['gemm']}/N{p['n']}"
+        d = prod.setdefault(key, {})
+        for name, value in (
+            ("taken_to_ready", p.get("ready", p["taken"]) - p["taken"]),
+            ("ready_to_first_issue", p["first_issue"] - p.get("ready", p["taken"])),
+            ("issue_span", p.get("last_issue", p["first_issue"]) - p["first_issue"]),
+            ("empty_wait", p.get("empty_wait", 0.0)),
+        ):
+            d.setdefault(name, []).append(value)
+    producer_summary = {k: {n: round(median(v), 3) for n, v in d.items()} for k, d in prod.items()}
+    # Every pair of consecutive events of one thread: how often, and the median time between them.
+    names = {**PHASES, **KIND_NAMES}
+    steps: dict[str, list[float]] = {}
+    for lists in trace:
+        for role, events in enumerate(lists):
+            for (g1, _, k1, *_), (g2, _, k2, *_) in zip(events, events[1:], strict=False):
+                if k1 == CONSUMER_FIRST_FULL or k2 == CONSUMER_FIRST_FULL:
+                    continue  # recorded late (its time is the clock it carries)
+                key = f"{ROLES[role]}: {names.get(k1, k1)} -> {names.get(k2, k2)}"
+                steps.setdefault(key, []).append((g2 - g1) / 1e3)
+    transitions = {k: [len(v), round(median(v), 3)] for k, v in sorted(steps.items())}
+    gemm_start = phases["gemm_start"]
+    gemm_end = phases["gemm"]
+    weight_bytes = sum(groups[k]["tiles"] * groups[k]["weight_bytes_per_tile"] for k in groups)
+    span = (max(gemm_end) - min(gemm_start)) if gemm_end and gemm_start else float("nan")
+    return {
+        "phase_end_us": {
+            k: {"min": round(min(v), 2), "median": round(median(v), 2), "max": round(max(v), 2)}
+            for k, v in phases.items()
+            if v
+        },
+        "gemm_phase_us": round(span, 2),
+        "gemm_weight_bytes": weight_bytes,
+        "gemm_tb_per_s": round(weight_bytes / span / 1e6, 3) if span == span and span > 0 else None,
+        "blocks_gemm_end_spread_us": round(max(gemm_end) - median(gemm_end), 2) if gemm_end else None,
+        "tiles_per_block": {
+            "min": min(len(v) for v in by_block.values()),
+            "max": max(len(v) for v in by_block.values()),
+        }
+        if by_block
+        else {},
+        "consumer_tiles": groups,
+        "producer_tiles": producer_summary,
+        "transitions": transitions,
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="qwen3-30b/ep4", choices=sorted(SHAPES))
+    ap.add_argument("--tokens", default="1,8,128,4096")
+    ap.add_argument("--launches", type=int, default=6)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="kernel_trace.json")
+    ap.add_argument("--raw", action="store_true", help="keep every event in the JSON")
+    args = ap.parse_args()
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    gen = torch.Generator().manual_seed(args.seed)
+    E, k, H, I = SHAPES[args.shape]
+    moe = layer(args.shape)
+    set_bytes = E * 3 * H * I * 2
+    sets = max(2, min(8, -(-4 * l2_bytes(device) // set_bytes)))
+    weight_sets = [weights(E, H, I, gen, device) for _ in range(sets)]
+    results = {"shape": args.shape, "E": E, "k": k, "H": H, "I": I, "weight_sets": sets, "cases": {}}
+    for T in (int(t) for t in args.tokens.split(",")):
+        x = torch.randn(T, H, generator=gen).to(torch.bfloat16).to(device)
+        ids, w = routing(E, k, T, "uniform", gen, device)
+        out = torch.full_like(x, float("nan"))
+        for i in range(args.launches):
+            w13, w2 = weight_sets[i % sets]
+            moe(x, ids, w, w13, w2, out=out)
+        torch.cuda.synchronize()
+        counts, events = _ops().trace_dump()
+        ref = moe_reference(x, ids, w, w13, w2).float()
+        err = ((out.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+        blocks = int((counts.sum(1) > 0).sum())
+        trace = decode(counts, events, blocks)
+        summary = analyse(trace, H, I)
+        summary["rel_err_vs_reference"] = err
+        if args.raw:
+            summary["events"] = trace
+        results["cases"][str(T)] = summary
+        print(
+            f"\n== {args.shape} T={T}: {blocks} blocks, rel err {err:.1e}, GEMM phase {summary['gemm_phase_us']} us "
+            f"({summary['gemm_tb_per_s']} TB/s of weights), block GEMM ends spread {summary['blocks_gemm_end_spread_us']} us,"
+            f" tiles/block {summary['tiles_per_block']}",
+            flush=True,
+        )
+        print(
+            "phase ends (us from first start, min/median/max over blocks): "
+            + ", ".join(
+                f"{p} {v['min']}/{v['median']}/{v['max']}" for p, v in summary["phase_end_us"].items()
+            )
+        )
+        for key, g in sorted(summary["consumer_tiles"].items()):
+            m = g["median_us"]
+            print(
+                f"  consumer {key}: {g['tiles']} tiles, median us: "
+                + ", ".join(f"{n} {v}" for n, v in m.items())
+                + f"; mainloop {g['mainloop_gb_per_s_per_sm']} GB/s/SM"
+            )
+        for key, m in sorted(summary["producer_tiles"].items()):
+            print(f"  producer {key}: median us: " + ", ".join(f"{n} {v}" for n, v in m.items()))
+        print("  steps (count, median us):")
+        for key, (n, v) in summary["transitions"].items():
+            if n >= 10 and not key.startswith("consumer1"):
+                print(f"    {key}: {n}x {v}")
+        if err > 2e-3:
+            print(f"WRONG: rel err {err:.2e} against the same-rounding reference", flush=True)
+    Path(args.out).write_text(json.dumps(results))
+    print(f"\nwrote {args.out}")
+
+
+def _ops():
+    from flashmoe import build
+
+    return build.load()
+
+
+if __name__ == "__main__":
+    main()
