@@ -9,8 +9,11 @@
 //   warpgroup 0     producer: thread 0 issues the TMA loads of the 128 weight rows of a stage (128-byte
 //                   swizzle); all 128 threads gather the stage's token rows with cp.async into the same
 //                   swizzled layout, completing on the stage's `full` barrier.
-//   warpgroups 1,2  consumers: 64 weight rows each, wgmma m64nNk16 into fp32 registers; a warp releases a
-//                   stage (`empty`) once its wgmma on it completed.
+//   warpgroups 1,2  consumers, wgmma m64nNk16 into fp32 registers; a warp releases a stage (`empty`) once its
+//                   wgmma on it completed. Decode tiles (N <= 64) are ping-pong: the two warpgroups take
+//                   turns, each computing all 128 rows of its tile while the other runs its previous tile's
+//                   epilogue and next-task bookkeeping, so some warpgroup always drains the ring and the SM
+//                   keeps streaming across tile boundaries. Wide tiles (N = 128) are split: 64 rows each.
 //
 // The pipeline is drained only when the tile width changes (the stage pool is re-carved, PipeState::enter);
 // otherwise the producer runs ahead into the next tile while the consumers run an epilogue. Tasks (tasks.cuh)
@@ -35,9 +38,15 @@ constexpr int kMaxTileTokens = 128;
 constexpr int kProducerThreads = 128;
 constexpr int kStageWeightBytes = kTileWeightRows * kTileK * 2;  // 16 KiB
 constexpr int kFullArrivals = 1 + kProducerThreads;  // TMA expect-tx + every producer thread's cp.async
-constexpr int kEmptyArrivals = kConsumers * 4;       // every consumer warp
+constexpr int kEmptyArrivals = kConsumers * 4;       // every consumer warp once, or the owner's warps twice
+
+// Whether tiles of width n are ping-pong (one warpgroup per tile) or split (both warpgroups, 64 rows each):
+// a ping-pong warpgroup holds 128 x n fp32 accumulators, which fits the register budget up to n = 64.
+__host__ __device__ constexpr bool ping_pong(int n) { return n <= 64; }
+// Weight rows of a tile one consumer warpgroup computes, and their 64-row halves (one accumulator set each).
+__host__ __device__ constexpr int consumer_rows(int n) { return ping_pong(n) ? kTileWeightRows : kConsumerRows; }
 // Epilogue staging, per consumer: [token][feature] bf16, rows padded by 16 B to spread banks.
-constexpr int kStagingStride = kConsumerRows + 8;
+__host__ __device__ constexpr int staging_stride(int n) { return consumer_rows(n) + 8; }
 
 static_assert(kThreads == kProducerThreads + kConsumers * 128, "one producer and two consumer warpgroups");
 static_assert(kConsumers * kConsumerRows == kHiddenMultiple, "GEMM1 output tile = H step");
@@ -48,7 +57,7 @@ static_assert(kTileK == kInterMultiple, "GEMM1 K step");
 //   [barriers | task slots | row tables]  4 KiB
 //   [stage pool ........................ | epilogue staging]
 // A stage holds 16 KiB of weights and N x 128 B of token rows, so its size follows the tile's token count N:
-// decode tiles (N = 32) get 10 stages (160 KiB of weights in flight per SM), N = 64 8, N = 128 5. The epilogue
+// decode tiles (N = 32) get 9 stages (144 KiB of weights in flight per SM), N = 64 7, N = 128 5. The epilogue
 // staging (N rows per consumer) sits at the top of the pool. Tiles of another N re-carve the pool after a
 // full drain (see PipeState::enter).
 constexpr int kMaxStages = 10;
@@ -67,12 +76,12 @@ static_assert(kTaskIndexOffset + kTaskSlots * 4 <= kRowDstOffset, "barrier area"
 static_assert(kRowRankOffset + kConsumers * kMaxTileTokens * 4 <= kPoolOffset, "row tables");
 
 __host__ __device__ constexpr int stage_bytes(int n) { return kStageWeightBytes + n * kTileK * 2; }
-__host__ __device__ constexpr int staging_bytes(int n) { return kConsumers * n * kStagingStride * 2; }
+__host__ __device__ constexpr int staging_bytes(int n) { return kConsumers * n * staging_stride(n) * 2; }
 __host__ __device__ constexpr int stages_for(int n) {
   const int fit = (kPoolBytes - staging_bytes(n)) / stage_bytes(n);
   return fit < kMaxStages ? fit : kMaxStages;
 }
-static_assert(stages_for(32) == 10 && stages_for(64) == 8 && stages_for(128) == 5, "stage counts per tile width");
+static_assert(stages_for(32) == 9 && stages_for(64) == 7 && stages_for(128) == 5, "stage counts per tile width");
 static_assert(stage_bytes(32) % 1024 == 0 && stage_bytes(64) % 1024 == 0 && stage_bytes(128) % 1024 == 0,
               "stages stay 1024-byte aligned");
 
@@ -86,7 +95,8 @@ struct GemmSmem {
   }
   __device__ char* stage(int s, int n) const { return base + kPoolOffset + s * stage_bytes(n); }
   __device__ bf16* staging(int consumer, int n) const {
-    return reinterpret_cast<bf16*>(base + kPoolOffset + kPoolBytes - staging_bytes(n)) + consumer * n * kStagingStride;
+    return reinterpret_cast<bf16*>(base + kPoolOffset + kPoolBytes - staging_bytes(n)) +
+           consumer * n * staging_stride(n);
   }
   __device__ int64_t* row_dst(int consumer) const {
     return reinterpret_cast<int64_t*>(base + kRowDstOffset) + consumer * kMaxTileTokens;
@@ -226,12 +236,16 @@ __device__ __forceinline__ void produce_tile(const Params& p, const GemmSmem& g,
   });
 }
 
-// Consumer side of one tile: acc = this consumer's 64 weight rows x N tokens over K.
-template <int N>
+// Consumer side of one tile: acc[h] = 64 weight rows x N tokens over K, for the consumer's kHalves row halves
+// (ping-pong: both halves of the tile; split: the consumer's own half).
+template <int N, int kHalves = ping_pong(N) ? 2 : 1>
 __device__ __forceinline__ void consume_tile(const Params& p, const GemmSmem& g, PipeState& st, int k_steps,
-                                             float (&acc)[N / 2]) {
+                                             float (&acc)[kHalves][N / 2]) {
   const int consumer = threadIdx.x / 128 - 1;
   const bool warp_leader = (threadIdx.x & 31) == 0;
+  // A split stage is released by all 8 consumer warps, a ping-pong stage by its owner's 4 warps, twice each.
+  constexpr uint32_t kReleases = kHalves == 2 ? 2 : 1;
+  const uint32_t first_row = kHalves == 2 ? 0 : consumer * kConsumerRows;
   int previous = -1;
   int ks = 0;
 #if FLASHMOE_TRACE
@@ -249,20 +263,24 @@ __device__ __forceinline__ void consume_tile(const Params& p, const GemmSmem& g,
 #endif
     fence_proxy_async();  // the token rows arrived through cp.async (generic proxy)
     const uint32_t stage = smem_addr(g.stage(st.stage, N));
-    const uint64_t a = sw128_desc(stage + consumer * kConsumerRows * 128);
     const uint64_t b = sw128_desc(stage + kStageWeightBytes);
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < kTileK / 16; ++kk) Wgmma<N>::mma(acc, a + 2 * kk, b + 2 * kk, ks > 0 || kk > 0);
+    for (int h = 0; h < kHalves; ++h) {
+      const uint64_t a = sw128_desc(stage + (first_row + h * kConsumerRows) * 128);
+#pragma unroll
+      for (int kk = 0; kk < kTileK / 16; ++kk) Wgmma<N>::mma(acc[h], a + 2 * kk, b + 2 * kk, ks > 0 || kk > 0);
+    }
     wgmma_commit();
     wgmma_wait<1>();  // the previous step's wgmma is done: its stage can be refilled
-    if (previous >= 0 && warp_leader) mbar_arrive(g.empty(previous));
+    if (previous >= 0 && warp_leader) mbar_arrive(g.empty(previous), kReleases);
     previous = st.stage;
     st.advance();
   } while (++ks < k_steps);
   wgmma_wait<0>();
-  fence_accumulators(acc);
-  if (previous >= 0 && warp_leader) mbar_arrive(g.empty(previous));
+#pragma unroll
+  for (int h = 0; h < kHalves; ++h) fence_accumulators(acc[h]);
+  if (previous >= 0 && warp_leader) mbar_arrive(g.empty(previous), kReleases);
 }
 
 // Named barrier of one consumer warpgroup (ids 1, 2; 0 is __syncthreads).
@@ -274,63 +292,87 @@ __device__ __forceinline__ void consumer_sync(int consumer) {
 // wgmma m64nN fp32 layout: warp w, lane l holds, for each 8-token group j, rows 16w + l/4 (+8) and
 // tokens 8j + 2(l%4) (+1).
 
-// GEMM0 tile whose 64 A rows are 4 groups of (8 gate rows, 8 up rows) of the same 8 features (that is how
-// the w13 tensor map loads them): a thread holds gate and up of one feature, so SwiGLU happens here.
-// Writes features 0..31 of the consumer's slice.
+// GEMM0 row half whose 64 A rows are 4 groups of (8 gate rows, 8 up rows) of the same 8 features (that is
+// how the w13 tensor map loads them): a thread holds gate and up of one feature, so SwiGLU happens here.
+// Writes the half's 32 features at staging column `column`.
 template <int N>
-__device__ __forceinline__ void store_swiglu(const float (&acc)[N / 2], bf16* staging) {
+__device__ __forceinline__ void store_swiglu(const float (&acc)[N / 2], bf16* staging, int stride, int column) {
   const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
-  const int f = 8 * warp + (lane >> 2);
+  const int f = column + 8 * warp + (lane >> 2);
 #pragma unroll
   for (int j = 0; j < N / 8; ++j) {
     const int t = 8 * j + 2 * (lane & 3);
-    staging[t * kStagingStride + f] = __float2bfloat16_rn(silu(acc[4 * j]) * acc[4 * j + 2]);
-    staging[(t + 1) * kStagingStride + f] = __float2bfloat16_rn(silu(acc[4 * j + 1]) * acc[4 * j + 3]);
+    staging[t * stride + f] = __float2bfloat16_rn(silu(acc[4 * j]) * acc[4 * j + 2]);
+    staging[(t + 1) * stride + f] = __float2bfloat16_rn(silu(acc[4 * j + 1]) * acc[4 * j + 3]);
   }
 }
 
-// Plain tile: features 0..63 of the consumer's slice.
+// Plain row half: its 64 features at staging column `column`.
 template <int N>
-__device__ __forceinline__ void store_plain(const float (&acc)[N / 2], bf16* staging) {
+__device__ __forceinline__ void store_plain(const float (&acc)[N / 2], bf16* staging, int stride, int column) {
   const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
-  const int f = 16 * warp + (lane >> 2);
+  const int f = column + 16 * warp + (lane >> 2);
 #pragma unroll
   for (int j = 0; j < N / 8; ++j) {
     const int t = 8 * j + 2 * (lane & 3);
-    staging[t * kStagingStride + f] = __float2bfloat16_rn(acc[4 * j]);
-    staging[(t + 1) * kStagingStride + f] = __float2bfloat16_rn(acc[4 * j + 1]);
-    staging[t * kStagingStride + f + 8] = __float2bfloat16_rn(acc[4 * j + 2]);
-    staging[(t + 1) * kStagingStride + f + 8] = __float2bfloat16_rn(acc[4 * j + 3]);
+    staging[t * stride + f] = __float2bfloat16_rn(acc[4 * j]);
+    staging[(t + 1) * stride + f] = __float2bfloat16_rn(acc[4 * j + 1]);
+    staging[t * stride + f + 8] = __float2bfloat16_rn(acc[4 * j + 2]);
+    staging[(t + 1) * stride + f + 8] = __float2bfloat16_rn(acc[4 * j + 3]);
   }
 }
+
+// What a consumer's epilogue finds in its staging area after mma_tile_to_staging: `features` bf16 columns per
+// token row, `stride` elements apart, starting at tile feature `first_feature` (GEMM0: SwiGLU'd intermediate
+// features of the tile's 64; GEMM1: output features of the tile's 128).
+struct Staged {
+  const bf16* rows;
+  int stride, features, first_feature;
+};
 
 // The one entry point of the consumer side: run a tile's mainloop and leave its bf16 rows in the consumer's
-// staging area ([token][feature], kStagingStride apart; returned): SwiGLU'd features 0..31 for a gate/up tile,
-// else features 0..63. The caller copies them out and calls consumer_sync before the next tile.
+// staging area. The caller copies them out and calls consumer_sync before the consumer's next tile.
 // A separate function without calls: ptxas serialises the wgmmas of a function that calls device code.
 // Smem layout and pipeline state travel by value, so the mainloop keeps them in registers; one function per
 // tile shape keeps ptxas's wgmma pipeline analysis to one accumulator set.
 template <bool kGateUp, int N>
 __device__ __noinline__ PipeState mma_tile_to_staging(const Params& p, const GemmSmem g, PipeState st, int k_steps,
                                                       bf16* staging) {
-  float acc[N / 2];
+  constexpr int kHalves = ping_pong(N) ? 2 : 1;
+  float acc[kHalves][N / 2];
   consume_tile<N>(p, g, st, k_steps, acc);
-  if constexpr (kGateUp) store_swiglu<N>(acc, staging);
-  else store_plain<N>(acc, staging);
+#pragma unroll
+  for (int h = 0; h < kHalves; ++h) {
+    if constexpr (kGateUp) store_swiglu<N>(acc[h], staging, staging_stride(N), h * kConsumerRows / 2);
+    else store_plain<N>(acc[h], staging, staging_stride(N), h * kConsumerRows);
+  }
   return st;
 }
 
 template <bool kGateUp>
-__device__ __forceinline__ bf16* mma_tile_to_staging(const Params& p, const GemmSmem& g, PipeState& st,
-                                                     int tile_tokens, int k_steps) {
-  bf16* staging = nullptr;
+__device__ __forceinline__ Staged mma_tile_to_staging(const Params& p, const GemmSmem& g, PipeState& st,
+                                                      int tile_tokens, int k_steps) {
+  const int consumer = threadIdx.x / 128 - 1;
+  Staged out{};
   with_tile_tokens(tile_tokens, [&](auto tile) {
     constexpr int N = decltype(tile)::value;
     st.enter(N);
-    staging = g.staging(threadIdx.x / 128 - 1, N);
+    bf16* staging = g.staging(consumer, N);
     st = mma_tile_to_staging<kGateUp, N>(p, g, st, k_steps, staging);
+    const int rows = consumer_rows(N);  // weight rows this consumer computed
+    const int first_row = ping_pong(N) ? 0 : consumer * kConsumerRows;
+    out = Staged{staging, staging_stride(N), kGateUp ? rows / 2 : rows, kGateUp ? first_row / 2 : first_row};
   });
-  return staging;
+  return out;
+}
+
+// A consumer warpgroup passes over a ping-pong tile the other one computes: its pipeline position moves past
+// the tile's stages (and a width change meets the block barrier like everyone else).
+__device__ __forceinline__ void skip_tile(PipeState& st, int tile_tokens, int k_steps) {
+  with_tile_tokens(tile_tokens, [&](auto tile) {
+    st.enter(decltype(tile)::value);
+    for (int ks = 0; ks < k_steps; ++ks) st.advance();
+  });
 }
 
 }  // namespace flashmoe

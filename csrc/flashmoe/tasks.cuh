@@ -126,41 +126,42 @@ __device__ __noinline__ void produce_tasks(const Params& p, const GemmSmem& g, c
   }
 }
 
-// GEMM0 epilogue of one consumer: its 32 SwiGLU'd features of the tile's rows into act, then count the tile.
+// GEMM0 epilogue of one consumer: its SwiGLU'd features of the tile's rows into act, then count the tile (a
+// split tile counts once per consumer, a ping-pong tile kConsumers times by its owner).
 __device__ __forceinline__ void store_activations(const Params& p, const GemmSmem& g, const ExpertTable& table,
-                                                  const Task& task, const bf16* staging, int consumer) {
+                                                  const Task& task, const Staged& staged, int consumer) {
   const int tid = threadIdx.x & 127;
-  constexpr int kFeatures = kGemm0TileFeatures / kConsumers;  // 32 per consumer
   bf16* act = ws_ptr<bf16>(p, p.ws_off.act) +
               static_cast<int64_t>(table.row_offset[task.expert] + task.first_row) * p.intermediate_size +
-              task.feature_tile * kGemm0TileFeatures + consumer * kFeatures;
-  constexpr int kChunks = kFeatures / 8;  // 16-byte chunks per row
-  for (int c = tid; c < task.rows * kChunks; c += 128) {
-    const int r = c / kChunks, q = c % kChunks;
+              task.feature_tile * kGemm0TileFeatures + staged.first_feature;
+  const int chunks = staged.features / 8;  // 16-byte chunks per row
+  for (int c = tid; c < task.rows * chunks; c += 128) {
+    const int r = c / chunks, q = c - r * chunks;
     *reinterpret_cast<uint4*>(act + static_cast<int64_t>(r) * p.intermediate_size + q * 8) =
-        *reinterpret_cast<const uint4*>(staging + r * kStagingStride + q * 8);
+        *reinterpret_cast<const uint4*>(staged.rows + r * staged.stride + q * 8);
   }
   consumer_sync(consumer);  // every row stored; staging is rewritten by the next tile
   if (tid == 0) {
     __threadfence();  // the warpgroup's stores (ordered by the barrier) before the count: release
-    atomicAdd(gemm0_done(p, task.expert, task.feature_tile), 1u);
+    atomicAdd(gemm0_done(p, task.expert, task.feature_tile), staged.features == kGemm0TileFeatures ? kConsumers : 1u);
     mark_time(p, g.epoch, kRingGemm0EndNs);  // the last GEMM0 tile of the call
   }
   __syncwarp();
   trace(kTraceConsumerCounted);
 }
 
-// GEMM1 epilogue of one consumer: its 64 output features of the tile's rows into the owners' combine buffers.
+// GEMM1 epilogue of one consumer: its output features of the tile's rows into the owners' combine buffers.
 // Returns the bytes sent to other ranks (metrics).
 __device__ __forceinline__ int64_t store_outputs(const Params& p, const PeerTable& peers, bool any_proxied,
-                                                 const GemmSmem& g, const Task& task, const bf16* staging,
+                                                 const GemmSmem& g, const Task& task, const Staged& staged,
                                                  int consumer) {
   const int tid = threadIdx.x & 127;
   const int k = p.top_k, H = p.hidden_size;
   const int* meta = sym_ptr<int>(p, p.sym_off.recv_meta);
   int64_t* row_dst = g.row_dst(consumer);
   int* row_rank = g.row_rank(consumer);
-  // Put path: this consumer's slot of the block's registered staging tile.
+  const int features = staged.features;
+  // Put path: this consumer's slot of the block's registered staging tile (rows x features <= its size).
   bf16* put_stage = sym_ptr<bf16>(p, p.sym_off.combine_stage) +
                     (static_cast<int64_t>(blockIdx.x) * kConsumers + consumer) * kMaxTileTokens * kConsumerRows;
   int64_t remote_bytes = 0;
@@ -171,32 +172,32 @@ __device__ __forceinline__ int64_t store_outputs(const Params& p, const PeerTabl
     const int token = ldcg(meta + row * meta_stride(k));
     row_rank[tid] = static_cast<int>(row / p.max_tokens_per_rank);
     row_dst[tid] =
-        (static_cast<int64_t>(token) * k + j) * H + task.feature_tile * kGemm1TileFeatures + consumer * kConsumerRows;
+        (static_cast<int64_t>(token) * k + j) * H + task.feature_tile * kGemm1TileFeatures + staged.first_feature;
   }
   consumer_sync(consumer);
-  constexpr int kChunks = kConsumerRows / 8;  // 16-byte chunks per 128-byte row
-  for (int c = tid; c < task.rows * kChunks; c += 128) {
-    const int r = c / kChunks, q = c % kChunks;
+  const int chunks = features / 8;  // 16-byte chunks per row
+  for (int c = tid; c < task.rows * chunks; c += 128) {
+    const int r = c / chunks, q = c - r * chunks;
     const int dst = row_rank[r];
-    const uint4 value = *reinterpret_cast<const uint4*>(staging + r * kStagingStride + q * 8);
+    const uint4 value = *reinterpret_cast<const uint4*>(staged.rows + r * staged.stride + q * 8);
     if (use_p2p(peers, dst)) {
       bf16* base = reinterpret_cast<bf16*>(peers.base[dst] + p.sym_off.combine_rows);
       *reinterpret_cast<uint4*>(base + row_dst[r] + q * 8) = value;
     } else {
-      *reinterpret_cast<uint4*>(put_stage + r * kConsumerRows + q * 8) = value;
+      *reinterpret_cast<uint4*>(put_stage + r * features + q * 8) = value;
     }
-    if (q == 0 && dst != p.rank) remote_bytes += kConsumerRows * 2;
+    if (q == 0 && dst != p.rank) remote_bytes += features * 2;
   }
   if (any_proxied) {
     // Proxied rows: one put per row segment from the registered staging tile, complete before reuse.
     consumer_sync(consumer);
     if (tid < task.rows && !use_p2p(peers, row_rank[tid]))
-      nvshmem_putmem_nbi(sym_ptr<bf16>(p, p.sym_off.combine_rows) + row_dst[tid], put_stage + tid * kConsumerRows,
-                         kConsumerRows * 2, row_rank[tid]);
+      nvshmem_putmem_nbi(sym_ptr<bf16>(p, p.sym_off.combine_rows) + row_dst[tid], put_stage + tid * features,
+                         features * 2, row_rank[tid]);
     consumer_sync(consumer);
     if (tid == 0) nvshmem_quiet();
   }
-  consumer_sync(consumer);  // staging and the row table are rewritten by the next tile
+  consumer_sync(consumer);  // staging and the row table are rewritten by the consumer's next tile
   return remote_bytes;
 }
 
@@ -210,6 +211,8 @@ __device__ __forceinline__ void trace_mma_done(const PipeState& st) {
 }
 
 // A consumer warpgroup's whole GEMM phase. Returns the bytes its tiles sent to other ranks (metrics).
+// Both warpgroups read every task; ping-pong tiles (decode widths) alternate between them in the order the
+// block takes them, split tiles are computed by both.
 __device__ int64_t consume_tasks(const Params& p, const PeerTable& peers, bool any_proxied, const GemmSmem& g,
                                  const ExpertTable& table) {
   const int consumer = threadIdx.x / 128 - 1;
@@ -217,19 +220,25 @@ __device__ int64_t consume_tasks(const Params& p, const PeerTable& peers, bool a
   PipeState st;
   TaskQueue queue;
   int64_t remote_bytes = 0;
+  int ping_pong_tiles = 0;  // ping-pong tiles this block has taken so far
   int index;
   while ((index = next_task(p, g, queue, counts.total)) >= 0) {
     const Task task = decode_task(table, p.num_local, counts, index);
+    const int k_steps = (task.gemm == 0 ? p.hidden_size : p.intermediate_size) / kTileK;
+    if (ping_pong(task.tile_tokens) && (ping_pong_tiles++ & 1) != consumer) {
+      skip_tile(st, task.tile_tokens, k_steps);
+      continue;
+    }
     trace(kTraceConsumerTask, index);
     if (task.gemm == 0) {
-      const bf16* staging = mma_tile_to_staging<true>(p, g, st, task.tile_tokens, p.hidden_size / kTileK);
+      const Staged staged = mma_tile_to_staging<true>(p, g, st, task.tile_tokens, k_steps);
       trace_mma_done(st);
       consumer_sync(consumer);
-      store_activations(p, g, table, task, staging, consumer);
+      store_activations(p, g, table, task, staged, consumer);
     } else {
-      const bf16* staging = mma_tile_to_staging<false>(p, g, st, task.tile_tokens, p.intermediate_size / kTileK);
+      const Staged staged = mma_tile_to_staging<false>(p, g, st, task.tile_tokens, k_steps);
       trace_mma_done(st);
-      remote_bytes += store_outputs(p, peers, any_proxied, g, task, staging, consumer);
+      remote_bytes += store_outputs(p, peers, any_proxied, g, task, staged, consumer);
     }
     trace(kTraceConsumerEpilogueDone);
   }
