@@ -52,7 +52,7 @@ struct ActReadiness {
     if (polled && (ready >> (ks - window) & 1u)) return;
     const int lane = threadIdx.x & 31;
     const int step = window + lane;
-    const uint64_t start = globaltimer_ns();
+    const uint64_t start = lane == 0 ? globaltimer_ns() : 0;
     for (uint32_t spins = 0;; ++spins) {
       const bool ok = step >= k_steps || ld_acquire_gpu(counters + step) >= arrivals;
       ready = __ballot_sync(0xffffffffu, ok);
@@ -60,13 +60,16 @@ struct ActReadiness {
       if (ready >> (ks - window) & 1u) break;
       if (spins == 0) on_first_wait();
       if ((spins & 15) == 15) {
-        if (aborted(p)) break;
-        if (globaltimer_ns() - start > p.timeout_ns) {
-          if (lane == 0 && threadIdx.x == 0)
+        // Lane 0 decides for the warp: the ballot above needs every lane in the next round too.
+        bool give_up = false;
+        if (lane == 0) {
+          const bool timed_out = globaltimer_ns() - start > p.timeout_ns;
+          give_up = timed_out || aborted(p);
+          if (timed_out && threadIdx.x == 0)
             record_timeout(p, kPhaseExpertReady, -1, static_cast<int64_t>(expert) << 16 | ks, g.epoch,
                            ld_acquire_gpu(counters + ks));
-          break;
         }
+        if (__shfl_sync(0xffffffffu, give_up, 0)) break;
       }
     }
     __syncwarp();  // each lane's acquire orders the activation reads of the whole warp
