@@ -22,6 +22,10 @@ order and is rounded once. :func:`moe_oracle_fp64` is the same function with no 
 (gloo on CPU, NCCL on GPU): tokens go once to each rank that owns one of their experts, results come
 back per (token, j) and are summed at the source in the same order, so it equals the single-rank
 result up to GEMM blocking. The vLLM and SGLang adapters use it as the CPU backend.
+
+The fp8 block-scaled layer (fp8 weights with per-block scales, activations quantised per token group)
+is :mod:`flashmoe.reference_fp8`: the same routing and combine (``_combine_local``,
+``_combine_distributed`` below take the expert computation as a function), different experts.
 """
 
 from __future__ import annotations
