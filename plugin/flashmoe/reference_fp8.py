@@ -44,9 +44,9 @@ rounding of each expert output and of the result (it returns float64). Why not a
 quantiser: the fp32 rule decides exact e4m3 ties, which bf16 input hits often (:mod:`flashmoe.fp8`),
 and one tie decided the other way moves a whole GEMM0 row by ~1e-3, which flips ~1% of that row's
 activation roundings: an oracle that broke ties to even disagreed with the reference by 5.6e-3
-instead of 2.3e-3 (16 tokens, H=512, I=256). The oracle's and the reference's activations still differ by fp32 rounding, so an
-activation element near a rounding boundary can land on the other side: the flips that
-``tests/tolerances.py`` budgets for.
+instead of 2.3e-3 (16 tokens, H=512, I=256). The oracle's and the reference's activations still
+differ by fp32 rounding, so an activation element near a rounding boundary can land on the other
+side: the flips that ``tests/tolerances.py`` budgets for.
 """
 
 from __future__ import annotations

@@ -215,7 +215,9 @@ def _check_fp8_weights(x_dtype: torch.dtype, w13, w13_scale_inv, w2, w2_scale_in
     if w13.dtype != E4M3 or w2.dtype != E4M3:
         raise ValueError(f"w13/w2 dtype ({w13.dtype}, {w2.dtype}) must be {E4M3} when scales are given")
     if H % GROUP or I % GROUP:
-        raise ValueError(f"fp8 weights need H and I multiples of {GROUP} (the block size), got H={H}, I={I}")
+        raise ValueError(
+            f"w13/w2: fp8 weights need H and I multiples of {GROUP} (the block size), got H={H}, I={I}"
+        )
     E_local = w13.shape[0]
     expected = {
         "w13_scale_inv": (w13_scale_inv, (E_local, 2 * I // GROUP, H // GROUP)),
