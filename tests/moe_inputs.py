@@ -95,6 +95,45 @@ def random_expert_weights(
     return w13, w2
 
 
+# fp8 inputs. Real block-fp8 checkpoints and activations have groups of very different magnitude (outlier
+# channels, per-block weight scales over a decade or more); i.i.d. Gaussians would give every group the
+# same scale, and a scale applied to the wrong group would go unnoticed. So each 128-group of a token
+# and each 128 x 128 weight block is drawn with its own magnitude, 2**u with u uniform in
+# [-FP8_LOG2_SPREAD, FP8_LOG2_SPREAD].
+FP8_LOG2_SPREAD = 2.0
+
+
+def _group_magnitudes(shape, gen: torch.Generator, device) -> torch.Tensor:
+    u = torch.rand(shape, generator=gen, device=device) * (2 * FP8_LOG2_SPREAD) - FP8_LOG2_SPREAD
+    return torch.exp2(u)
+
+
+def random_grouped_hidden(tokens: int, hidden: int, gen: torch.Generator, device="cpu") -> torch.Tensor:
+    """bf16 [T, H] (H a multiple of 128) with a random magnitude per (token, 128-group), RMS ~1."""
+    x = torch.randn(tokens, hidden // 128, 128, generator=gen, device=device)
+    x *= _group_magnitudes((tokens, hidden // 128, 1), gen, device)
+    return (x / x.square().mean().clamp(min=1e-30).sqrt()).reshape(tokens, hidden).to(torch.bfloat16)
+
+
+def random_fp8_expert_weights(
+    num_experts: int, hidden: int, intermediate: int, gen: torch.Generator, device="cpu"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(w13, w13_scale_inv, w2, w2_scale_inv) as a block-fp8 checkpoint loads them: Gaussian weights
+    scaled by 1/sqrt(fan-in) and by a random magnitude per 128 x 128 block, quantised with
+    :func:`flashmoe.fp8.quantize_weight_blocks`. Drawn one expert at a time (a DeepSeek-V3 expert is
+    44M weights; the fp32 draft of all of them would not fit a test's memory)."""
+    from flashmoe.fp8 import quantize_weight_blocks
+
+    def draw(rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+        w = torch.randn(rows // 128, 128, cols // 128, 128, generator=gen, device=device)
+        w *= _group_magnitudes((rows // 128, 1, cols // 128, 1), gen, device) / math.sqrt(cols)
+        return quantize_weight_blocks(w.reshape(rows, cols))
+
+    w13, w13_scale_inv = zip(*(draw(2 * intermediate, hidden) for _ in range(num_experts)), strict=True)
+    w2, w2_scale_inv = zip(*(draw(hidden, intermediate) for _ in range(num_experts)), strict=True)
+    return torch.stack(w13), torch.stack(w13_scale_inv), torch.stack(w2), torch.stack(w2_scale_inv)
+
+
 def local_weights(
     w13: torch.Tensor, w2: torch.Tensor, placement: ExpertPlacement, rank: int
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""bf16 error budgets for comparing MoE outputs, and the error measures they apply to.
+"""bf16 and fp8 error budgets for comparing MoE outputs, and the error measures they apply to.
 
 bf16 keeps 8 significant bits: unit roundoff ``U = 2**-8`` (~3.9e-3), one rounding changes a value by
 at most ``U`` relative (RMS ~0.4 U for values spread across a binade).
@@ -23,6 +23,55 @@ Two kinds of comparison:
   magnitude; a rounding the semantics do not have shows up against the oracle.
 
 Rows whose exact value is zero (every slot -1) must come out exactly zero.
+
+**fp8** (the block-scaled path, :mod:`flashmoe.reference_fp8`; the quantiser: :mod:`flashmoe.fp8`).
+e4m3 keeps 4 significant bits: unit roundoff ``U8 = 2**-4``; one e4m3 step is 1/16 to 1/8 of the value
+it rounds (``v / step`` averages ``8 / ln 2 = 11.5`` over a binade), and 32/448 = 1/14 of its group's
+amax at the top. Measured numbers: ``scripts/fp8_tolerances.py`` on CPU (results:
+``benchmarks/results/2026-11-22-cpu-fp8-tolerances.json``; DeepSeek-V3 routed shape H=7168, I=2048,
+k=8 with 8 experts, 32 tokens x 3 seeds; Qwen3-30B-A3B H=2048, I=768, k=8, 128 tokens x 4; and
+H/I/k = 1024/512/4, 512/256/2, 256/128/1, 7168/128/8 with 64 to 1024 tokens; 7.8k rows in all).
+
+* **Kernel against the same-rounding reference.** The semantics fix every rounding point, and the
+  quantiser bit for bit (fp32 steps): a kernel's ``qx`` and x scales equal the reference's. It can
+  differ only in how it sums: (a) fp32 order in the 128-K promotion (an FMA, another order of the
+  block partials): relative ``delta ~ 1e-7`` in GEMM0's output (measured 3e-8 to 9e-8); (b) the
+  tensor core's block partial sums: Hopper's fp8 WGMMA accumulates with "around 14 bits"
+  (DeepSeek-V3 report, section 3.3.2), why DeepGEMM, and the kernel, promote to fp32 every 128 K:
+  ``delta ~ 2**-13`` (1.23e-4 to 1.25e-4 measured with a 13-bit truncating stand-in, 1.7e-4 to
+  1.9e-4 after the SwiGLU). Either then meets the e4m3 re-quantisation of the activation: a
+  perturbation ``D`` of an activation ``v`` flips its rounding with probability ``|D| / step(v)`` and
+  then moves it by one step, so the squared error of a row is ``sum step * |D|`` and
+  ``eps_act^2 ~ delta_act * E|v| / (11.5 rms v) = 0.07 delta_act``: **eps ~ 0.27 sqrt(delta)**, the
+  square root of the summation error, not the error itself (measured coefficient 0.18 to 0.30).
+  GEMM1 carries ``eps_act`` to the expert output (``|W2 e| / |W2 a| ~ |e| / |a|`` for random W2)
+  and the slot sum keeps it relative. (a) alone: ``eps ~ 1e-4``; measured (stand-in
+  ``fp32_order``) 8e-7 to 1.7e-4, rows <= 2.3e-3. (b): ``eps ~ 3.6e-3 = 0.9 U``; measured
+  (``tensor_core_13b``) 2.5e-3 to 4.8e-3, ~1% of activation roundings flipped (mostly small ones);
+  each bit of accumulator precision divides it by about sqrt(2) (``--quick --tc-bits 9 11 13 15
+  17``, ``...-fp8-tolerances-accumulator-bits.json``, Qwen3 shape, 32 tokens: 2.0e-2 at 9 bits,
+  1.0e-2 at 11, 3.5e-3 at 13, 2.0e-3 at 15, 6.5e-4 at 17). Budget ``FP8_SAME_ROUNDING_REL_FRO =
+  2.5 U`` (9.8e-3): twice the measured worst for 13 bits; a kernel that keeps fewer than ~11 bits in
+  a block partial, or promotes less often than every 128 K, fails it.
+  **Rows:** one flip near the top of a group moves one activation by amax/14 and the expert output
+  row by ``(amax / 14) / |a|``; with ``|a| ~ sqrt(I) rms`` and amax 2.6 to 8 rms (one Gaussian group's
+  maximum, up to 8 with groups of different magnitude) that is 0.19 to 0.57 ``/ sqrt(I)``, and a row
+  rarely takes more than one or two large flips. Measured worst rows: 0.61 ``/ sqrt(I)`` (4.4e-2 at
+  I=128, 1.8e-2 at I=768, 1.05e-2 at I=2048). Budget :func:`fp8_row_rel`: ``max(2.5 U, 1.25 /
+  sqrt(I))`` (0.11 at I=128, 4.5e-2 at 768, 2.8e-2 at 2048), for both comparisons.
+* **Against the fp64 oracle.** The reference differs by its bf16 roundings (each expert output and
+  the result: ~0.6 U; measured 1.6e-3 to 2.8e-3, rows <= 2.8e-3) and, rarely, by an activation flip
+  of its own (fp32 against the oracle's float64): one DeepSeek-V3 row at 8.2e-3 = 0.37 ``/ sqrt(I)``.
+  A kernel adds its flips: ``sqrt(0.6^2 + 0.9^2) U ~ 1.1 U``; measured 2.8e-3 to 5.0e-3, rows <= 0.61
+  ``/ sqrt(I)``. Budget ``FP8_ORACLE_REL_FRO = 2.5 U``, rows :func:`fp8_row_rel`. The two budgets are
+  equal because the flips, common to both comparisons, dominate; a missing quantisation (4e-2) or a
+  scale on the wrong block fails both by far.
+* **Information, not a budget: the quantisation itself.** The fp8 oracle against the same layer with
+  unquantised activations on the same dequantised weights: 4.2e-2 to 4.6e-2 (rows <= 8.1e-2). Two
+  e4m3 roundings of RMS ``step / sqrt(12)`` = 2.6% each, the first carried through GEMM0 and the
+  SwiGLU's product: ``~ sqrt(2 + 1) * 2.6% = 4.6%``. ``FP8_ACTIVATION_QUANTISATION_REL_FRO`` = 9e-2,
+  twice that, bounds the fp8 reference against the bf16 reference on weights both represent exactly
+  (test_reference_fp8: 3.8e-2 to 4.7e-2 over 12 seeds).
 """
 
 from __future__ import annotations
@@ -38,6 +87,17 @@ ORACLE_ROW_REL = 3 * BF16_UNIT_ROUNDOFF
 SAME_ROUNDING_REL_FRO = BF16_UNIT_ROUNDOFF / 2
 SAME_ROUNDING_ROW_REL = 2 * BF16_UNIT_ROUNDOFF
 MIN_ROWS_FOR_BATCH_BUDGET = 16
+
+E4M3_UNIT_ROUNDOFF = 2.0**-4
+FP8_SAME_ROUNDING_REL_FRO = 2.5 * BF16_UNIT_ROUNDOFF
+FP8_ORACLE_REL_FRO = 2.5 * BF16_UNIT_ROUNDOFF
+FP8_ROW_FLIP_COEFF = 1.25  # x 1/sqrt(I): twice the worst measured row
+FP8_ACTIVATION_QUANTISATION_REL_FRO = 9e-2  # information: twice the derived 4.6%
+
+
+def fp8_row_rel(intermediate: int) -> float:
+    """Any row's budget on the fp8 path, both comparisons (module docstring, "Rows")."""
+    return max(FP8_ORACLE_REL_FRO, FP8_ROW_FLIP_COEFF / intermediate**0.5)
 
 
 @dataclass

@@ -13,6 +13,7 @@ from .errors import FlashMoEBuildError, FlashMoEError, FlashMoETimeoutError, Fla
 from .layer import FlashMoE
 from .placement import ExpertPlacement
 from .reference import moe_oracle_fp64, moe_reference, moe_reference_distributed
+from .reference_fp8 import moe_oracle_fp64_fp8, moe_reference_distributed_fp8, moe_reference_fp8
 from .spec import MoELayerSpec
 
 __version__ = "0.1.0"
@@ -26,6 +27,9 @@ __all__ = [
     "FlashMoEUnsupported",
     "MoELayerSpec",
     "moe_oracle_fp64",
+    "moe_oracle_fp64_fp8",
     "moe_reference",
     "moe_reference_distributed",
+    "moe_reference_distributed_fp8",
+    "moe_reference_fp8",
 ]

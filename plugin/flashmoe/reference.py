@@ -22,6 +22,10 @@ order and is rounded once. :func:`moe_oracle_fp64` is the same function with no 
 (gloo on CPU, NCCL on GPU): tokens go once to each rank that owns one of their experts, results come
 back per (token, j) and are summed at the source in the same order, so it equals the single-rank
 result up to GEMM blocking. The vLLM and SGLang adapters use it as the CPU backend.
+
+The fp8 block-scaled layer (fp8 weights with per-block scales, activations quantised per token group)
+is :mod:`flashmoe.reference_fp8`: the same routing and combine (``_combine_local``,
+``_combine_distributed`` below take the expert computation as a function), different experts.
 """
 
 from __future__ import annotations
@@ -43,23 +47,31 @@ def swiglu_expert(x: torch.Tensor, w13_e: torch.Tensor, w2_e: torch.Tensor, roun
     return act @ w2_e.t()
 
 
-def _expert_outputs(
-    x: torch.Tensor, local_ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, compute_dtype: torch.dtype, round_dtype
-) -> torch.Tensor:
-    """y[n] = expert_{local_ids[n]}(x[n]) for a flat list of (row, local expert) pairs, grouped by expert."""
-    y = torch.empty(x.shape[0], w2.shape[1], dtype=compute_dtype, device=x.device)
-    if x.shape[0] == 0:
-        return y
+def _per_expert(local_ids: torch.Tensor, out: torch.Tensor, compute) -> torch.Tensor:
+    """``out[rows] = compute(e, rows)`` for each local expert ``e`` in ``local_ids``, ``rows`` being the
+    indices ``n`` with ``local_ids[n] == e`` in ascending order (one call per expert)."""
+    if local_ids.numel() == 0:
+        return out
     order = torch.argsort(local_ids, stable=True)
-    sorted_ids = local_ids[order]
-    experts, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
+    experts, counts = torch.unique_consecutive(local_ids[order], return_counts=True)
     start = 0
     for e, c in zip(experts.tolist(), counts.tolist(), strict=False):
         rows = order[start : start + c]
         start += c
-        out = swiglu_expert(x[rows].to(compute_dtype), w13[e].to(compute_dtype), w2[e].to(compute_dtype), round_dtype)
-        y[rows] = out
-    return y
+        out[rows] = compute(e, rows)
+    return out
+
+
+def _expert_outputs(
+    x: torch.Tensor, local_ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, compute_dtype: torch.dtype, round_dtype
+) -> torch.Tensor:
+    """y[n] = expert_{local_ids[n]}(x[n]) for a flat list of (row, local expert) pairs, grouped by expert."""
+
+    def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
+        return swiglu_expert(x[rows].to(compute_dtype), w13[e].to(compute_dtype), w2[e].to(compute_dtype), round_dtype)
+
+    y = torch.empty(x.shape[0], w2.shape[1], dtype=compute_dtype, device=x.device)
+    return _per_expert(local_ids, y, expert)
 
 
 def _weighted_sum(y: torch.Tensor, valid: torch.Tensor, topk_weights: torch.Tensor, acc_dtype, out_dtype) -> torch.Tensor:
@@ -108,21 +120,28 @@ def moe_oracle_fp64(
 
 
 def _reference_impl(x, topk_ids, topk_weights, w13, w2, placement, compute_dtype, out_dtype, rounding=True):
+    round_dtype = x.dtype if rounding and compute_dtype != x.dtype else None
+
+    def expert_outputs(rows_x, local):
+        y = _expert_outputs(rows_x, local, w13, w2, compute_dtype, round_dtype)
+        return y if round_dtype is None else y.to(round_dtype).to(compute_dtype)
+
+    return _combine_local(x, topk_ids, topk_weights, placement, expert_outputs, compute_dtype, out_dtype)
+
+
+def _combine_local(x, topk_ids, topk_weights, placement, expert_outputs, acc_dtype, out_dtype):
+    """One rank owning every expert: ``expert_outputs(rows, local_ids)`` gives each valid (token, j)
+    pair's expert output (``rows``: the pairs' token rows of ``x``), summed over j by
+    :func:`_weighted_sum`. The bf16 and fp8 semantics differ only in ``expert_outputs``."""
     T, k = topk_ids.shape
     H = x.shape[1]
     valid = topk_ids >= 0
     flat_ids = topk_ids.reshape(-1).long()
-    flat_valid = valid.reshape(-1)
-    pairs = torch.nonzero(flat_valid).flatten()
+    pairs = torch.nonzero(valid.reshape(-1)).flatten()
     local = placement.expert_local.to(x.device)[flat_ids[pairs]].long()
-    rows = pairs // k
-    round_dtype = x.dtype if rounding and compute_dtype != x.dtype else None
-    y_pairs = _expert_outputs(x[rows], local, w13, w2, compute_dtype, round_dtype)
-    if round_dtype is not None:
-        y_pairs = y_pairs.to(round_dtype).to(compute_dtype)
-    y = torch.zeros(T * k, H, dtype=compute_dtype, device=x.device)
-    y[pairs] = y_pairs
-    return _weighted_sum(y.view(T, k, H), valid, topk_weights, compute_dtype, out_dtype)
+    y = torch.zeros(T * k, H, dtype=acc_dtype, device=x.device)
+    y[pairs] = expert_outputs(x[pairs // k], local).to(acc_dtype)
+    return _weighted_sum(y.view(T, k, H), valid, topk_weights, acc_dtype, out_dtype)
 
 
 def moe_reference_distributed(
@@ -151,6 +170,19 @@ def moe_reference_distributed(
 
 def _reference_distributed_impl(hidden_states, topk_ids, topk_weights, w13, w2, placement, group) -> torch.Tensor:
     """moe_reference_distributed without the input checks (FlashMoE has made them already)."""
+    x = hidden_states
+    round_dtype = x.dtype if x.dtype != torch.float32 else None
+
+    def expert_outputs(rows_x, local):
+        return _expert_outputs(rows_x, local, w13, w2, torch.float32, round_dtype).to(x.dtype)
+
+    return _combine_distributed(hidden_states, topk_ids, topk_weights, placement, group, expert_outputs)
+
+
+def _combine_distributed(hidden_states, topk_ids, topk_weights, placement, group, expert_outputs):
+    """The expert-parallel skeleton: ``expert_outputs(rows, local_ids)`` runs on the owning rank for the
+    received rows, returns one output per (row, local expert) pair in ``hidden_states``' dtype (what
+    travels back), and the source sums them over j in fp32 as the single-rank reference does."""
     import torch.distributed as dist
 
     world_size = dist.get_world_size(group)
@@ -185,8 +217,7 @@ def _reference_distributed_impl(hidden_states, topk_ids, topk_weights, w13, w2, 
     r_pairs = torch.nonzero(r_valid.reshape(-1)).flatten()
     r_rows = r_pairs // k
     r_local = recv_ids.reshape(-1)[r_pairs].long()
-    round_dtype = x.dtype if x.dtype != torch.float32 else None
-    y = _expert_outputs(recv_x[r_rows], r_local, w13, w2, torch.float32, round_dtype).to(x.dtype)
+    y = expert_outputs(recv_x[r_rows], r_local)
 
     # Send results back: per source rank, its rows' hits in the order it sent them.
     src_of_row = torch.repeat_interleave(torch.arange(world_size, device=dev), recv_row_counts)

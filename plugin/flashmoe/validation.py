@@ -14,6 +14,16 @@ intermediate, E global experts, E_local = the placement's experts on this rank):
     w2             [E_local, H, I]
     out (optional) [T, H]            hidden_states' dtype and device; written in full
 
+The fp8 path (:mod:`flashmoe.reference_fp8`) takes the weights as vLLM and SGLang load a block-fp8
+checkpoint, read in place (``*_scale_inv``: one fp32 scale per 128 x 128 block, dequantised weight =
+e4m3 value * its block's scale); hidden_states must then be bf16 and H and I multiples of 128 (vLLM
+refuses a block-fp8 MoE whose intermediate size is not a multiple of the block too)::
+
+    w13            [E_local, 2I, H]              float8_e4m3fn
+    w13_scale_inv  [E_local, 2I/128, H/128]      float32
+    w2             [E_local, H, I]               float8_e4m3fn
+    w2_scale_inv   [E_local, H/128, I/128]       float32
+
 Routing ids, defined the same for every backend:
 
 * ``-1`` (the kernel treats any negative id alike) contributes nothing.
@@ -30,6 +40,8 @@ device sync, safe under CUDA graph capture.
 from __future__ import annotations
 
 import torch
+
+from .fp8 import E4M3, GROUP
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -116,13 +128,16 @@ def check_call(
     check_ids: bool = True,
     device: torch.device | None = None,
     contiguous: bool = False,
+    w13_scale_inv=None,
+    w2_scale_inv=None,
 ) -> None:
     """One call's inputs (see the module docstring for the contract).
 
     ``spec``: the layer's; its H, k, I, dtype and token bound must match (FlashMoE passes it; the
     standalone reference functions have none). ``check_ids``: read ``topk_ids`` to check its range (a
     host sync on a GPU: the megakernel path passes False). ``device``/``contiguous``: what the
-    megakernel additionally needs."""
+    megakernel additionally needs. ``w13_scale_inv``/``w2_scale_inv``: given (both) for fp8 weights."""
+    fp8 = w13_scale_inv is not None or w2_scale_inv is not None
     args = (
         ("hidden_states", hidden_states),
         ("topk_ids", topk_ids),
@@ -130,6 +145,8 @@ def check_call(
         ("w13", w13),
         ("w2", w2),
     )
+    if fp8:
+        args += (("w13_scale_inv", w13_scale_inv), ("w2_scale_inv", w2_scale_inv))
     for name, t in args:
         require_tensor(name, t)
     if out is not None and not isinstance(out, torch.Tensor):
@@ -157,7 +174,9 @@ def check_call(
     I = two_i // 2
     if tuple(w2.shape) != (E_local, H, I):
         raise ValueError(f"w2 shape {tuple(w2.shape)} != (E_local={E_local}, H={H}, I={I}) implied by w13")
-    if w13.dtype != hidden_states.dtype or w2.dtype != hidden_states.dtype:
+    if fp8:
+        _check_fp8_weights(hidden_states.dtype, w13, w13_scale_inv, w2, w2_scale_inv, H, I)
+    elif w13.dtype != hidden_states.dtype or w2.dtype != hidden_states.dtype:
         raise ValueError(
             f"w13/w2 dtype ({w13.dtype}, {w2.dtype}) must equal hidden_states dtype {hidden_states.dtype}"
         )
@@ -187,6 +206,28 @@ def check_call(
         lo, hi = int(topk_ids.min()), int(topk_ids.max())
         if lo < -1 or hi >= placement.num_experts:
             raise ValueError(f"topk_ids values must be in [-1, {placement.num_experts}), got [{lo}, {hi}]")
+
+
+def _check_fp8_weights(x_dtype: torch.dtype, w13, w13_scale_inv, w2, w2_scale_inv, H: int, I: int) -> None:
+    """The fp8 half of the contract (module docstring); shapes of w13/w2 themselves are checked already."""
+    if x_dtype != torch.bfloat16:
+        raise ValueError(f"hidden_states dtype {x_dtype}: the fp8 path takes bf16 hidden states")
+    if w13.dtype != E4M3 or w2.dtype != E4M3:
+        raise ValueError(f"w13/w2 dtype ({w13.dtype}, {w2.dtype}) must be {E4M3} when scales are given")
+    if H % GROUP or I % GROUP:
+        raise ValueError(
+            f"w13/w2: fp8 weights need H and I multiples of {GROUP} (the block size), got H={H}, I={I}"
+        )
+    E_local = w13.shape[0]
+    expected = {
+        "w13_scale_inv": (w13_scale_inv, (E_local, 2 * I // GROUP, H // GROUP)),
+        "w2_scale_inv": (w2_scale_inv, (E_local, H // GROUP, I // GROUP)),
+    }
+    for name, (t, shape) in expected.items():
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name} shape {tuple(t.shape)} != {shape} (one scale per 128 x 128 block)")
+        if t.dtype != torch.float32:
+            raise ValueError(f"{name} must be float32, got {t.dtype}")
 
 
 def _check_against_spec(spec, T: int, H: int, k: int, I: int, dtype: torch.dtype) -> None:
