@@ -137,26 +137,28 @@ def analyse(trace: list[list[list[tuple]]], H: int, I: int) -> dict:
             elif cur is not None and kind == PRODUCER_LAST:
                 cur["last_issue"] = (g - t0) / 1e3
                 cur["empty_wait"] = a / rate / 1e3
-        # Consumer 0's view of each tile (consumer 1 runs the same tiles in lockstep).
+        # Each consumer warpgroup's view of the tiles it computed: both for a split tile, one (its owner) for a
+        # ping-pong tile.
         by_index = {p["index"]: p for p in producer if p["block"] == blk}
-        cur = None
-        for g, c, kind, a, *_ in lists[1]:
-            if kind == CONSUMER_TASK:
-                cur = {"block": blk, "index": a, "taken": (g - t0) / 1e3}
-                tiles.append(cur)
-                cur.update({k: by_index.get(a, {}).get(k) for k in ("gemm", "n", "rows", "expert")})
-            elif cur is not None and kind == CONSUMER_FIRST_FULL:
-                cur["first_full"] = at_clock(c) / 1e3
-            elif cur is not None and kind == CONSUMER_MMA:
-                cur["mma_done"] = (g - t0) / 1e3
-                cur["full_wait"] = a / rate / 1e3
-            elif cur is not None and kind == CONSUMER_EPILOGUE:
-                cur["epilogue_done"] = (g - t0) / 1e3
-    # Per block: the gap between a tile's epilogue and the next tile's first landed stage.
-    by_block: dict[int, list[dict]] = {}
+        for role in (1, 2):
+            cur = None
+            for g, c, kind, a, *_ in lists[role]:
+                if kind == CONSUMER_TASK:
+                    cur = {"block": blk, "role": role, "index": a, "taken": (g - t0) / 1e3}
+                    tiles.append(cur)
+                    cur.update({k: by_index.get(a, {}).get(k) for k in ("gemm", "n", "rows", "expert")})
+                elif cur is not None and kind == CONSUMER_FIRST_FULL:
+                    cur["first_full"] = at_clock(c) / 1e3
+                elif cur is not None and kind == CONSUMER_MMA:
+                    cur["mma_done"] = (g - t0) / 1e3
+                    cur["full_wait"] = a / rate / 1e3
+                elif cur is not None and kind == CONSUMER_EPILOGUE:
+                    cur["epilogue_done"] = (g - t0) / 1e3
+    # Per consumer warpgroup: the gap between its tile's epilogue and its next tile's first landed stage.
+    by_consumer: dict[tuple[int, int], list[dict]] = {}
     for t in tiles:
-        by_block.setdefault(t["block"], []).append(t)
-    for lst in by_block.values():
+        by_consumer.setdefault((t["block"], t["role"]), []).append(t)
+    for lst in by_consumer.values():
         for prev, t in zip(lst, lst[1:], strict=False):
             if "epilogue_done" in prev and "first_full" in t:
                 t["gap_before"] = t["first_full"] - prev["epilogue_done"]
@@ -166,6 +168,7 @@ def analyse(trace: list[list[list[tuple]]], H: int, I: int) -> dict:
             continue
         key = f"gemm{t['gemm']}/N{t['n']}"
         k = H if t["gemm"] == 0 else I
+        # "tiles": consumer views (a split tile counts twice, a ping-pong tile once).
         g = groups.setdefault(
             key, {"tiles": 0, "weight_bytes_per_tile": TILE_WEIGHT_ROWS * k * 2, "parts": {}}
         )
@@ -213,7 +216,9 @@ def analyse(trace: list[list[list[tuple]]], H: int, I: int) -> dict:
     transitions = {k: [len(v), round(median(v), 3)] for k, v in sorted(steps.items())}
     gemm_start = phases["gemm_start"]
     gemm_end = phases["gemm"]
-    weight_bytes = sum(groups[k]["tiles"] * groups[k]["weight_bytes_per_tile"] for k in groups)
+    # Every task streams its weight tile once, whichever consumers computed it: count the producer's tasks.
+    weight_bytes = sum(TILE_WEIGHT_ROWS * (H if p["gemm"] == 0 else I) * 2 for p in producer)
+    tasks_per_block = [sum(1 for p in producer if p["block"] == blk) for blk in range(len(trace))]
     span = (max(gemm_end) - min(gemm_start)) if gemm_end and gemm_start else float("nan")
     return {
         "phase_end_us": {
@@ -225,11 +230,8 @@ def analyse(trace: list[list[list[tuple]]], H: int, I: int) -> dict:
         "gemm_weight_bytes": weight_bytes,
         "gemm_tb_per_s": round(weight_bytes / span / 1e6, 3) if span == span and span > 0 else None,
         "blocks_gemm_end_spread_us": round(max(gemm_end) - median(gemm_end), 2) if gemm_end else None,
-        "tiles_per_block": {
-            "min": min(len(v) for v in by_block.values()),
-            "max": max(len(v) for v in by_block.values()),
-        }
-        if by_block
+        "tiles_per_block": {"min": min(tasks_per_block), "max": max(tasks_per_block)}
+        if tasks_per_block
         else {},
         "consumer_tiles": groups,
         "producer_tiles": producer_summary,
