@@ -384,37 +384,23 @@ BAD_FP8_INPUTS = [
 ]
 
 
+def _call(entry, a, placement):
+    return entry(a["x"], a["ids"], a["w"], a["w13"], a["s13"], a["w2"], a["s2"], placement)
+
+
 @pytest.mark.parametrize("name,corrupt,error,match", BAD_FP8_INPUTS, ids=[b[0] for b in BAD_FP8_INPUTS])
 @pytest.mark.parametrize("entry", [moe_reference_fp8, moe_oracle_fp64_fp8], ids=lambda f: f.__name__)
 def test_bad_fp8_input_raises(entry, name, corrupt, error, match):
     a = _valid_fp8_inputs()
     corrupt(a)
     with pytest.raises(error, match=match):
-        entry(
-            a["x"],
-            a["ids"],
-            a["w"],
-            a["w13"],
-            a["s13"],
-            a["w2"],
-            a["s2"],
-            ExpertPlacement.contiguous(E_BAD, 1),
-        )
+        _call(entry, a, ExpertPlacement.contiguous(E_BAD, 1))
 
 
 def test_fp8_reference_refuses_multi_rank_placement():
     a = _valid_fp8_inputs()
     with pytest.raises(ValueError, match="moe_reference_distributed_fp8"):
-        moe_reference_fp8(
-            a["x"],
-            a["ids"],
-            a["w"],
-            a["w13"],
-            a["s13"],
-            a["w2"],
-            a["s2"],
-            ExpertPlacement.contiguous(E_BAD, 2),
-        )
+        _call(moe_reference_fp8, a, ExpertPlacement.contiguous(E_BAD, 2))
 
 
 # ---------------------------------------------------------------------------------------------

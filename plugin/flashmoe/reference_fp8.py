@@ -106,15 +106,36 @@ def _oracle_expert_outputs(rows_x, local, w13, w13_scale_inv, w2, w2_scale_inv) 
     return _per_expert(local, y, expert)
 
 
-def _single_rank_placement(w13, placement: ExpertPlacement | None, who: str) -> ExpertPlacement:
+def _single_rank_layer(
+    who,
+    expert_outputs,
+    acc_dtype,
+    out_dtype,
+    x,
+    topk_ids,
+    topk_weights,
+    w13,
+    w13_scale_inv,
+    w2,
+    w2_scale_inv,
+    placement: ExpertPlacement | None,
+) -> torch.Tensor:
+    """The single-rank fp8 layer with ``expert_outputs(rows_x, local, w13, w13_scale_inv, w2, w2_scale_inv)``
+    (the reference's or the oracle's), after the fp8 input checks."""
     validation.require_tensor("w13", w13)
     if placement is None:
-        return ExpertPlacement.contiguous(w13.shape[0], 1)
+        placement = ExpertPlacement.contiguous(w13.shape[0], 1)
     if placement.world_size != 1:
         raise ValueError(
             f"{who} computes a whole layer on one rank; use moe_reference_distributed_fp8 for EP groups"
         )
-    return placement
+    scales = {"w13_scale_inv": w13_scale_inv, "w2_scale_inv": w2_scale_inv}
+    validation.check_call(x, topk_ids, topk_weights, w13, w2, placement, 0, **scales)
+
+    def outputs(rows_x, local):
+        return expert_outputs(rows_x, local, w13, w13_scale_inv, w2, w2_scale_inv)
+
+    return _combine_local(x, topk_ids, topk_weights, placement, outputs, acc_dtype, out_dtype)
 
 
 def moe_reference_fp8(
@@ -128,15 +149,19 @@ def moe_reference_fp8(
     placement: ExpertPlacement | None = None,
 ) -> torch.Tensor:
     """Single-process fp8 reference (bf16 [T, H]): ``w13``/``w2`` and their scales hold every expert."""
-    placement = _single_rank_placement(w13, placement, "moe_reference_fp8")
-    scales = {"w13_scale_inv": w13_scale_inv, "w2_scale_inv": w2_scale_inv}
-    validation.check_call(hidden_states, topk_ids, topk_weights, w13, w2, placement, 0, **scales)
-
-    def expert_outputs(rows_x, local):
-        return _fp8_expert_outputs(rows_x, local, w13, w13_scale_inv, w2, w2_scale_inv)
-
-    return _combine_local(
-        hidden_states, topk_ids, topk_weights, placement, expert_outputs, torch.float32, torch.bfloat16
+    return _single_rank_layer(
+        "moe_reference_fp8",
+        _fp8_expert_outputs,
+        torch.float32,
+        torch.bfloat16,
+        hidden_states,
+        topk_ids,
+        topk_weights,
+        w13,
+        w13_scale_inv,
+        w2,
+        w2_scale_inv,
+        placement,
     )
 
 
@@ -152,15 +177,19 @@ def moe_oracle_fp64_fp8(
 ) -> torch.Tensor:
     """The fp8 function in float64 (returns float64): quantisation grids kept, other roundings dropped
     (module docstring)."""
-    placement = _single_rank_placement(w13, placement, "moe_oracle_fp64_fp8")
-    scales = {"w13_scale_inv": w13_scale_inv, "w2_scale_inv": w2_scale_inv}
-    validation.check_call(hidden_states, topk_ids, topk_weights, w13, w2, placement, 0, **scales)
-
-    def expert_outputs(rows_x, local):
-        return _oracle_expert_outputs(rows_x, local, w13, w13_scale_inv, w2, w2_scale_inv)
-
-    return _combine_local(
-        hidden_states, topk_ids, topk_weights, placement, expert_outputs, torch.float64, torch.float64
+    return _single_rank_layer(
+        "moe_oracle_fp64_fp8",
+        _oracle_expert_outputs,
+        torch.float64,
+        torch.float64,
+        hidden_states,
+        topk_ids,
+        topk_weights,
+        w13,
+        w13_scale_inv,
+        w2,
+        w2_scale_inv,
+        placement,
     )
 
 
