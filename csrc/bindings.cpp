@@ -6,6 +6,7 @@
 #include <torch/library.h>
 
 #include <cstring>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -85,7 +86,8 @@ void check_cuda(const at::Tensor& t, const char* name, at::ScalarType dtype, con
 }
 
 void moe_forward(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights, const at::Tensor& w13,
-                 const at::Tensor& w2, const at::Tensor& expert_rank, const at::Tensor& expert_local, at::Tensor& out,
+                 const at::Tensor& w2, const std::optional<at::Tensor>& w13_scale,
+                 const std::optional<at::Tensor>& w2_scale, const at::Tensor& expert_rank, const at::Tensor& expert_local, at::Tensor& out,
                  const at::Tensor& workspace, const at::Tensor& status, const at::Tensor& metrics_ring,
                  const at::Tensor& metrics_totals, int64_t sym, std::vector<int64_t> capacity,
                  std::vector<int64_t> runtime, int64_t stream) {
@@ -94,8 +96,12 @@ void moe_forward(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tens
   check_cuda(x, "hidden_states", at::kBFloat16, dev);
   check_cuda(topk_ids, "topk_ids", at::kInt, dev);
   check_cuda(topk_weights, "topk_weights", at::kFloat, dev);
-  check_cuda(w13, "w13", at::kBFloat16, dev);
-  check_cuda(w2, "w2", at::kBFloat16, dev);
+  // bf16 weights, or block-fp8: e4m3 weights with fp32 scales per 128x128 block (both or neither).
+  const bool fp8 = w13.scalar_type() == at::kFloat8_e4m3fn;
+  check_cuda(w13, "w13", fp8 ? at::kFloat8_e4m3fn : at::kBFloat16, dev);
+  check_cuda(w2, "w2", w13.scalar_type(), dev);
+  TORCH_CHECK(fp8 == (w13_scale.has_value() && w2_scale.has_value()) && w13_scale.has_value() == w2_scale.has_value(),
+              fp8 ? "fp8 weights need w13_scale_inv and w2_scale_inv" : "scales are for fp8 (float8_e4m3fn) weights");
   check_cuda(expert_rank, "expert_rank", at::kInt, dev);
   check_cuda(expert_local, "expert_local", at::kInt, dev);
   check_cuda(out, "out", at::kBFloat16, dev);
@@ -107,6 +113,15 @@ void moe_forward(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tens
               "status must be a pinned int64 host tensor of ", status_words, "+ elements");
   TORCH_CHECK(x.dim() == 2 && out.sizes() == x.sizes(), "out must have the shape of hidden_states");
   TORCH_CHECK(w13.dim() == 3 && w2.dim() == 3, "w13 and w2 must be 3-D");
+  if (fp8) {
+    check_cuda(*w13_scale, "w13_scale_inv", at::kFloat, dev);
+    check_cuda(*w2_scale, "w2_scale_inv", at::kFloat, dev);
+    constexpr int64_t block = 128;
+    TORCH_CHECK(w13_scale->sizes() == at::IntArrayRef({w13.size(0), w13.size(1) / block, w13.size(2) / block}),
+                "w13_scale_inv must be [E_local, 2I/128, H/128]");
+    TORCH_CHECK(w2_scale->sizes() == at::IntArrayRef({w2.size(0), w2.size(1) / block, w2.size(2) / block}),
+                "w2_scale_inv must be [E_local, H/128, I/128]");
+  }
   const Capacity cap = to_capacity(capacity);
   TORCH_CHECK(workspace.numel() >= flashmoe::workspace_bytes(cap), "workspace too small for the capacity");
 
@@ -120,8 +135,11 @@ void moe_forward(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tens
   a.x = x.data_ptr();
   a.topk_ids = topk_ids.data_ptr();
   a.topk_weights = topk_weights.data_ptr();
+  a.fp8 = fp8;
   a.w13 = w13.data_ptr();
   a.w2 = w2.data_ptr();
+  a.w13_scale = fp8 ? w13_scale->data_ptr() : nullptr;
+  a.w2_scale = fp8 ? w2_scale->data_ptr() : nullptr;
   a.expert_rank = expert_rank.data_ptr();
   a.expert_local = expert_local.data_ptr();
   a.out = out.data_ptr();
@@ -152,7 +170,7 @@ TORCH_LIBRARY(FLASHMOE_OPS, m) {
   m.def("trace_dump() -> Tensor[]", &trace_dump);
   m.def(
       "moe_forward(Tensor hidden_states, Tensor topk_ids, Tensor topk_weights, Tensor w13, Tensor w2, "
-      "Tensor expert_rank, Tensor expert_local, Tensor(a!) out, Tensor workspace, Tensor status, "
+      "Tensor? w13_scale_inv, Tensor? w2_scale_inv, Tensor expert_rank, Tensor expert_local, Tensor(a!) out, Tensor workspace, Tensor status, "
       "Tensor metrics_ring, Tensor metrics_totals, int sym, int[] capacity, int[] runtime, int stream) -> ()",
       &moe_forward);
 }

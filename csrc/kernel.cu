@@ -10,8 +10,10 @@
 
 namespace flashmoe {
 
+// One kernel per weight format: bf16, and block-fp8 (e4m3 weights with 128x128 block scales).
+template <bool kFp8>
 __global__ void __launch_bounds__(kThreads, 1) moe_layer_kernel(const __grid_constant__ Params params) {
-  moe_layer(params);
+  moe_layer<kFp8>(params);
 }
 
 namespace {
@@ -40,15 +42,16 @@ EncodeTiledFn encode_tiled() {
   return fn;
 }
 
-// A bf16 tile map with the 128-byte swizzle the wgmma descriptors expect. dims/strides: innermost first,
-// strides in bytes for dims 1.. .
+// A tile map of bf16 or one-byte (e4m3) elements with the 128-byte swizzle the wgmma descriptors expect.
+// dims/strides: innermost first, strides in bytes for dims 1.. .
 template <int Rank>
-CUtensorMap bf16_tile_map(const void* base, const cuuint64_t (&dims)[Rank], const cuuint64_t (&strides)[Rank - 1],
-                          const cuuint32_t (&box)[Rank], const char* what) {
+CUtensorMap tile_map(bool fp8, const void* base, const cuuint64_t (&dims)[Rank], const cuuint64_t (&strides)[Rank - 1],
+                     const cuuint32_t (&box)[Rank], const char* what) {
   CUtensorMap map;
   cuuint32_t unit[Rank];
   for (int i = 0; i < Rank; ++i) unit[i] = 1;
-  const CUresult r = encode_tiled()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, Rank, const_cast<void*>(base), dims, strides,
+  const CUtensorMapDataType type = fp8 ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+  const CUresult r = encode_tiled()(&map, type, Rank, const_cast<void*>(base), dims, strides,
                                     box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                                     CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS)
@@ -58,23 +61,23 @@ CUtensorMap bf16_tile_map(const void* base, const cuuint64_t (&dims)[Rank], cons
 }
 
 // w13 [E_l, 2I, H] as [E_l][I/8][2][8][H] (dims innermost first: k, row in group, gate/up, group, expert;
-// the gate/up stride I*H is larger than the group stride 8*H, which TMA allows). One box (64 k, 8 rows,
-// gate+up, 8 groups) is a whole 16 KiB stage: for each of 8 groups of 8 features, their 8 gate rows then
-// their 8 up rows, the row order store_swiglu expects.
-CUtensorMap w13_map(const void* w13, int num_local, int hidden_size, int intermediate_size) {
-  const cuuint64_t H = hidden_size, I = intermediate_size;
+// the gate/up stride I*H is larger than the group stride 8*H, which TMA allows). One box (128 bytes of k,
+// 8 rows, gate+up, 8 groups) is a whole 16 KiB stage: for each of 8 groups of 8 features, their 8 gate rows
+// then their 8 up rows, the row order store_swiglu expects.
+CUtensorMap w13_map(bool fp8, const void* w13, int num_local, int hidden_size, int intermediate_size) {
+  const cuuint64_t H = hidden_size, I = intermediate_size, bytes = fp8 ? 1 : 2;
   const cuuint64_t dims[5] = {H, 8, 2, I / 8, static_cast<cuuint64_t>(num_local)};
-  const cuuint64_t strides[4] = {H * 2, I * H * 2, 8 * H * 2, 2 * I * H * 2};
-  const cuuint32_t box[5] = {kTileK, 8, 2, kGemm0TileFeatures / 8, 1};
-  return bf16_tile_map<5>(w13, dims, strides, box, "w13");
+  const cuuint64_t strides[4] = {H * bytes, I * H * bytes, 8 * H * bytes, 2 * I * H * bytes};
+  const cuuint32_t box[5] = {static_cast<cuuint32_t>(tile_k(fp8)), 8, 2, kGemm0TileFeatures / 8, 1};
+  return tile_map<5>(fp8, w13, dims, strides, box, "w13");
 }
 
 // w2 [E_l, H, I] as [E_l H][I]: one box is the 128 output-feature rows of a GEMM1 tile.
-CUtensorMap w2_map(const void* w2, int num_local, int hidden_size, int intermediate_size) {
+CUtensorMap w2_map(bool fp8, const void* w2, int num_local, int hidden_size, int intermediate_size) {
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(intermediate_size), static_cast<cuuint64_t>(num_local) * hidden_size};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(intermediate_size) * 2};
-  const cuuint32_t box[2] = {kTileK, kTileWeightRows};
-  return bf16_tile_map<2>(w2, dims, strides, box, "w2");
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(intermediate_size) * (fp8 ? 1 : 2)};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(tile_k(fp8)), kTileWeightRows};
+  return tile_map<2>(fp8, w2, dims, strides, box, "w2");
 }
 
 void require(bool ok, const std::string& msg) {
@@ -129,11 +132,16 @@ void symmetric_free(void* p) { nvshmem_free(p); }
 void barrier_all_on_stream(cudaStream_t stream) { nvshmemx_barrier_all_on_stream(stream); }
 
 int max_resident_blocks(int device) {
-  int per_sm = 0, sms = 0;
-  check(cudaFuncSetAttribute(moe_layer_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes()),
+  int per_sm = 0, per_sm_fp8 = 0, sms = 0;
+  check(cudaFuncSetAttribute(moe_layer_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes()),
         "cudaFuncSetAttribute");
-  check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, moe_layer_kernel, kThreads, smem_bytes()),
+  check(cudaFuncSetAttribute(moe_layer_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes()),
+        "cudaFuncSetAttribute");
+  check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, moe_layer_kernel<false>, kThreads, smem_bytes()),
         "occupancy query");
+  check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm_fp8, moe_layer_kernel<true>, kThreads, smem_bytes()),
+        "occupancy query");
+  if (per_sm_fp8 < per_sm) per_sm = per_sm_fp8;  // one grid size serves both formats
   check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "SM count");
   return per_sm * sms;
 }
@@ -150,6 +158,11 @@ void launch(const LaunchArgs& a, const Capacity& cap, cudaStream_t stream) {
           "hidden must be a multiple of " + std::to_string(kHiddenMultiple) + " and intermediate of " +
               std::to_string(kInterMultiple));
   require(a.top_k >= 1 && a.top_k <= kMaxTopK, "top_k out of range");
+  if (a.fp8) {
+    require(a.hidden_size % kFp8Group == 0 && a.intermediate_size % kFp8Group == 0,
+            "fp8 layers need hidden and intermediate sizes that are multiples of " + std::to_string(kFp8Group));
+    require(a.w13_scale != nullptr && a.w2_scale != nullptr, "fp8 layers need w13_scale_inv and w2_scale_inv");
+  }
   require(a.num_local >= 1 && a.num_local <= kMaxLocalExperts, "local expert count out of range");
   require(a.run.num_blocks >= 1 && a.run.num_blocks <= cap.num_blocks, "num_blocks exceeds capacity");
 
@@ -170,8 +183,10 @@ void launch(const LaunchArgs& a, const Capacity& cap, cudaStream_t stream) {
   p.x = static_cast<const bf16*>(a.x);
   p.topk_ids = static_cast<const int*>(a.topk_ids);
   p.topk_weights = static_cast<const float*>(a.topk_weights);
-  p.w13 = static_cast<const bf16*>(a.w13);
-  p.w2 = static_cast<const bf16*>(a.w2);
+  p.w13 = a.w13;
+  p.w2 = a.w2;
+  p.w13_scale = static_cast<const float*>(a.w13_scale);
+  p.w2_scale = static_cast<const float*>(a.w2_scale);
   p.expert_rank = static_cast<const int*>(a.expert_rank);
   p.expert_local = static_cast<const int*>(a.expert_local);
   p.out = static_cast<bf16*>(a.out);
@@ -183,10 +198,11 @@ void launch(const LaunchArgs& a, const Capacity& cap, cudaStream_t stream) {
   p.status = static_cast<Status*>(a.status);
   p.metrics_ring = static_cast<int64_t*>(a.metrics_ring);
   p.metrics_totals = static_cast<int64_t*>(a.metrics_totals);
-  p.tmap_w13 = w13_map(a.w13, a.num_local, a.hidden_size, a.intermediate_size);
-  p.tmap_w2 = w2_map(a.w2, a.num_local, a.hidden_size, a.intermediate_size);
+  p.tmap_w13 = w13_map(a.fp8, a.w13, a.num_local, a.hidden_size, a.intermediate_size);
+  p.tmap_w2 = w2_map(a.fp8, a.w2, a.num_local, a.hidden_size, a.intermediate_size);
 
-  check(cudaFuncSetAttribute(moe_layer_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes()),
+  const auto kernel = a.fp8 ? moe_layer_kernel<true> : moe_layer_kernel<false>;
+  check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes()),
         "cudaFuncSetAttribute");
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(a.run.num_blocks);
@@ -198,7 +214,7 @@ void launch(const LaunchArgs& a, const Capacity& cap, cudaStream_t stream) {
   attr[0].val.cooperative = 1;
   config.attrs = attr;
   config.numAttrs = 1;
-  check(cudaLaunchKernelEx(&config, moe_layer_kernel, p), "cooperative launch of the megakernel");
+  check(cudaLaunchKernelEx(&config, kernel, p), "cooperative launch of the megakernel");
 }
 
 bool trace_enabled() { return FLASHMOE_TRACE != 0; }
@@ -217,10 +233,12 @@ void trace_copy(void* counts_host, void* events_host) {
 }
 
 std::string build_info() {
-  return std::string("flashmoe megakernel: wgmma bf16 swap-AB, ") + std::to_string(kTileWeightRows) +
-         " weight rows x 32/64/128 tokens x " + std::to_string(kTileK) + " k, " + std::to_string(stages_for(32)) +
-         "/" + std::to_string(stages_for(64)) + "/" + std::to_string(stages_for(128)) +
-         " TMA stages, dynamic task queue, stress_delay_ns=" + std::to_string(FLASHMOE_STRESS_DELAY_NS) +
+  return std::string("flashmoe megakernel: wgmma swap-AB, ") + std::to_string(kTileWeightRows) +
+         " weight rows x 32/64/128 tokens x " + std::to_string(kTileK) + " k bf16 (" +
+         std::to_string(stages_for(32, false)) + "/" + std::to_string(stages_for(64, false)) + "/" +
+         std::to_string(stages_for(128, false)) + " TMA stages) or x 32/64 tokens x " + std::to_string(kTileKFp8) +
+         " k block-fp8 (" + std::to_string(stages_for(32, true)) + "/" + std::to_string(stages_for(64, true)) +
+         " stages), dynamic task queue, stress_delay_ns=" + std::to_string(FLASHMOE_STRESS_DELAY_NS) +
          (FLASHMOE_TRACE ? ", trace" : "") + ", NVSHMEM " +
          std::to_string(NVSHMEM_VENDOR_MAJOR_VERSION) + "." + std::to_string(NVSHMEM_VENDOR_MINOR_VERSION) + "." +
          std::to_string(NVSHMEM_VENDOR_PATCH_VERSION);

@@ -3,12 +3,18 @@ the same rows. The first look after a kernel change (the multi-GPU suites are gp
 
     python scripts/kernel_check.py --out /tmp/kernel_check.json            # check + time
     python scripts/kernel_check.py --check-only
+    python scripts/kernel_check.py --dtype fp8 --out /tmp/kernel_check_fp8.json   # block-fp8 weights
 
 Correctness: fresh random inputs per case, output poisoned with NaN, compared with the fp64 oracle and the
 same-rounding fp32 reference under tests/tolerances.py's budgets. Timing is serving-like: a CUDA graph of L
 calls with distinct weights (L x weights > 4 x L2) and distinct routing, no L2 flush; per-layer time =
 replay / L, p10/p50/p90 over replays. The grouped_mm column runs GEMM0 -> SwiGLU -> GEMM1 on rows already
 grouped by expert (no gather, no combine) in the same kind of graph; TFLOP/s count 6 * rows * H * I.
+
+``--dtype fp8``: block-fp8 weights (e4m3, 128x128 block scales, tests/moe_inputs.random_fp8_expert_weights)
+and token groups of random magnitude (random_grouped_hidden), checked against flashmoe.reference_fp8's
+reference and fp64 oracle under the fp8 budgets; timings put the bf16 layer of the same shape and routing
+beside the fp8 one, and the floor counts one byte per weight (+ scales).
 """
 
 from __future__ import annotations
@@ -38,15 +44,20 @@ for k, v in {
 
 from flashmoe import ExpertPlacement, FlashMoE, MoELayerSpec  # noqa: E402
 from flashmoe.reference import moe_oracle_fp64, moe_reference  # noqa: E402
+from flashmoe.reference_fp8 import moe_oracle_fp64_fp8, moe_reference_fp8  # noqa: E402
 from moe_bench.results import git_commit  # noqa: E402
 from moe_bench.serving import capture, l2_bytes, layers_for  # noqa: E402
 from moe_bench.timing import CallTimes  # noqa: E402
+from moe_inputs import random_fp8_expert_weights, random_grouped_hidden  # noqa: E402
 from tolerances import (  # noqa: E402
+    FP8_ORACLE_REL_FRO,
+    FP8_SAME_ROUNDING_REL_FRO,
     ORACLE_REL_FRO,
     ORACLE_ROW_REL,
     SAME_ROUNDING_REL_FRO,
     SAME_ROUNDING_ROW_REL,
     error_stats,
+    fp8_row_rel,
 )
 
 MAX_TOKENS = 8192
@@ -107,8 +118,35 @@ def weights(E, H, I, gen, device):
     return w13.to(device), w2.to(device)
 
 
-def layer(shape):
+def fp8_weights(E, H, I, seed, device):
+    """(w13, w2, w13_scale_inv, w2_scale_inv), drawn on the GPU (a CPU draw of DeepSeek-V3's 2.8G weights is slow)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    w13, s13, w2, s2 = random_fp8_expert_weights(E, H, I, gen, device)
+    return w13, w2, s13, s2
+
+
+class Fp8Layer:
+    """The megakernel on block-fp8 weights, called like FlashMoE (its scales as keywords)."""
+
+    def __init__(self, E, k, H, I):
+        from flashmoe import metrics
+        from flashmoe.megakernel import MegaKernelLayer
+
+        spec = MoELayerSpec(E, k, H, I, MAX_TOKENS)
+        self.layer_id = metrics.register_layer(f"fp8-{E}-{H}-{I}-{time.time_ns()}", "megakernel")
+        device = torch.device("cuda", torch.cuda.current_device())
+        self.kernel = MegaKernelLayer(
+            spec, ExpertPlacement.contiguous(E, 1), 0, 1, None, None, device, self.layer_id
+        )
+
+    def __call__(self, x, ids, w, w13, w2, out=None, w13_scale_inv=None, w2_scale_inv=None):
+        return self.kernel.forward(x, ids, w, w13, w2, out, w13_scale_inv, w2_scale_inv)
+
+
+def layer(shape, fp8=False):
     E, k, H, I = SHAPES[shape]
+    if fp8:
+        return Fp8Layer(E, k, H, I)
     return FlashMoE(MoELayerSpec(E, k, H, I, MAX_TOKENS), ExpertPlacement.contiguous(E, 1), None)
 
 
@@ -127,38 +165,56 @@ def wait_or_report(moe, seconds: float = float(os.environ.get("KERNEL_CHECK_HANG
         time.sleep(0.01)
 
 
-def check(gen, device, only: int | None = None) -> list[dict]:
+def check(gen, device, only: int | None = None, fp8: bool = False) -> list[dict]:
     rows = []
     for i, (shape, T, kind) in enumerate(CHECKS):
         if only is not None and i != only:
             continue
         E, k, H, I = SHAPES[shape]
-        moe = layer(shape)
-        w13, w2 = weights(E, H, I, gen, device)
-        x = torch.randn(T, H, generator=gen).to(torch.bfloat16).to(device)
+        if fp8 and (H % 128 or I % 128):
+            continue  # block-fp8 needs both multiples of the block
+        moe = layer(shape, fp8)
         ids, w = routing(E, k, T, kind, gen, device)
+        scales = {}
+        if fp8:
+            w13, w2, s13, s2 = fp8_weights(E, H, I, int(torch.randint(1 << 30, (1,), generator=gen)), device)
+            scales = dict(w13_scale_inv=s13, w2_scale_inv=s2)
+            x = random_grouped_hidden(T, H, gen).to(device)
+        else:
+            w13, w2 = weights(E, H, I, gen, device)
+            x = torch.randn(T, H, generator=gen).to(torch.bfloat16).to(device)
         out = torch.full_like(x, float("nan"))
-        moe(x, ids, w, w13, w2, out=out)
+        moe(x, ids, w, w13, w2, out=out, **scales)
         wait_or_report(moe)
-        ref = moe_reference(x, ids, w, w13, w2)
-        oracle = moe_oracle_fp64(x, ids, w, w13, w2)
-        s_ref, s_orc = error_stats(out, ref), error_stats(out, oracle)
-        ok = (
-            s_ref.nonfinite == 0
-            and s_ref.nonzero_in_zero_rows == 0
-            and s_orc.rel_fro <= ORACLE_REL_FRO
-            and s_orc.max_row_rel <= ORACLE_ROW_REL
-            and s_ref.rel_fro <= max(SAME_ROUNDING_REL_FRO, SAME_ROUNDING_ROW_REL if s_ref.rows < 16 else 0)
-            and s_ref.max_row_rel <= SAME_ROUNDING_ROW_REL
-        )
+        if fp8:
+            ref = moe_reference_fp8(x, ids, w, w13, s13, w2, s2)
+            oracle = moe_oracle_fp64_fp8(x, ids, w, w13, s13, w2, s2)
+            s_ref, s_orc = error_stats(out, ref), error_stats(out, oracle)
+            ok = s_ref.within(FP8_SAME_ROUNDING_REL_FRO, fp8_row_rel(I)) and s_orc.within(
+                FP8_ORACLE_REL_FRO, fp8_row_rel(I)
+            )
+        else:
+            ref = moe_reference(x, ids, w, w13, w2)
+            oracle = moe_oracle_fp64(x, ids, w, w13, w2)
+            s_ref, s_orc = error_stats(out, ref), error_stats(out, oracle)
+            ok = (
+                s_ref.nonfinite == 0
+                and s_ref.nonzero_in_zero_rows == 0
+                and s_orc.rel_fro <= ORACLE_REL_FRO
+                and s_orc.max_row_rel <= ORACLE_ROW_REL
+                and s_ref.rel_fro
+                <= max(SAME_ROUNDING_REL_FRO, SAME_ROUNDING_ROW_REL if s_ref.rows < 16 else 0)
+                and s_ref.max_row_rel <= SAME_ROUNDING_ROW_REL
+            )
         # Determinism: the same inputs again give the same bits.
         again = torch.full_like(x, float("nan"))
-        moe(x, ids, w, w13, w2, out=again)
+        moe(x, ids, w, w13, w2, out=again, **scales)
         torch.cuda.synchronize()
         bitwise = bool(torch.equal(out.view(torch.int16), again.view(torch.int16)))
         rows.append(
             dict(
                 shape=shape,
+                dtype="fp8" if fp8 else "bf16",
                 tokens=T,
                 routing=kind,
                 ok=ok and bitwise,
@@ -171,7 +227,7 @@ def check(gen, device, only: int | None = None) -> list[dict]:
             )
         )
         print(
-            f"check {shape:15s} T={T:5d} {kind:10s} oracle {s_orc.rel_fro:.2e} row {s_orc.max_row_rel:.2e} "
+            f"check {'fp8 ' if fp8 else ''}{shape:15s} T={T:5d} {kind:10s} oracle {s_orc.rel_fro:.2e} row {s_orc.max_row_rel:.2e} "
             f"same-rounding {s_ref.rel_fro:.2e} row {s_ref.max_row_rel:.2e} bitwise={bitwise} "
             f"{'ok' if rows[-1]['ok'] else 'FAIL'}",
             flush=True,
@@ -232,15 +288,23 @@ def build_info() -> str:
     return build.load().build_info()
 
 
-def time_case(shape, T, gen, device, l2, replays) -> dict:
+def time_case(shape, T, gen, device, l2, replays, fp8=False) -> dict:
     E, k, H, I = SHAPES[shape]
-    weight_bytes = E * 3 * H * I * 2
-    L = layers_for(weight_bytes, l2, min_layers=4)
-    moe = layer(shape)
+    bytes_per_weight = 1 + 4 / 128**2 if fp8 else 2
+    weight_bytes = E * 3 * H * I * bytes_per_weight
+    L = layers_for(int(weight_bytes), l2, min_layers=4)
+    moe = layer(shape, fp8)
+    bf16_moe = layer(shape) if fp8 else None  # the bf16 layer on the same rows, timed beside it
     layers = []
     for _ in range(L):
-        w13, w2 = weights(E, H, I, gen, device)
-        x = torch.randn(T, H, generator=gen).to(torch.bfloat16).to(device)
+        scales = {}
+        if fp8:
+            w13, w2, s13, s2 = fp8_weights(E, H, I, int(torch.randint(1 << 30, (1,), generator=gen)), device)
+            scales = dict(w13_scale_inv=s13, w2_scale_inv=s2)
+            x = random_grouped_hidden(T, H, gen).to(device)
+        else:
+            w13, w2 = weights(E, H, I, gen, device)
+            x = torch.randn(T, H, generator=gen).to(torch.bfloat16).to(device)
         ids, w = routing(E, k, T, "uniform", gen, device)
         # Rows grouped by expert for the grouped_mm baseline (the same token-expert pairs).
         flat = ids.flatten().long()
@@ -249,28 +313,41 @@ def time_case(shape, T, gen, device, l2, replays) -> dict:
         xs = x[order // k].contiguous()
         counts = torch.bincount(flat[valid], minlength=E)
         offs = torch.cumsum(counts, 0).to(torch.int32)
-        layers.append(dict(w13=w13, w2=w2, x=x, ids=ids, w=w, out=torch.empty_like(x), xs=xs, offs=offs))
+        layers.append(
+            dict(w13=w13, w2=w2, x=x, ids=ids, w=w, out=torch.empty_like(x), xs=xs, offs=offs, **scales)
+        )
     pairs = int(sum(int(lay["offs"][-1]) for lay in layers)) / L
 
     def run_flashmoe():
         for lay in layers:
-            moe(lay["x"], lay["ids"], lay["w"], lay["w13"], lay["w2"], out=lay["out"])
+            extra = dict(w13_scale_inv=lay["w13_scale_inv"], w2_scale_inv=lay["w2_scale_inv"]) if fp8 else {}
+            moe(lay["x"], lay["ids"], lay["w"], lay["w13"], lay["w2"], out=lay["out"], **extra)
+
+    if fp8:  # bf16 weights of the same shape for the bf16 layer and grouped_mm (one set: fp8's L x 2 bytes)
+        bf16_w = [weights(E, H, I, gen, device) for _ in range(L)]
+
+    def run_bf16():
+        for lay, (w13, w2) in zip(layers, bf16_w, strict=True):
+            bf16_moe(lay["x"], lay["ids"], lay["w"], w13, w2, out=lay["out"])
 
     def run_grouped():
-        for lay in layers:
-            h = torch._grouped_mm(lay["xs"], lay["w13"].transpose(1, 2), offs=lay["offs"])
+        for i, lay in enumerate(layers):
+            w13, w2 = bf16_w[i] if fp8 else (lay["w13"], lay["w2"])
+            h = torch._grouped_mm(lay["xs"], w13.transpose(1, 2), offs=lay["offs"])
             a = F.silu(h[:, :I]) * h[:, I:]
-            torch._grouped_mm(a, lay["w2"].transpose(1, 2), offs=lay["offs"])
+            torch._grouped_mm(a, w2.transpose(1, 2), offs=lay["offs"])
 
     fm = CallTimes([t / L for t in graph_times(run_flashmoe, device, replays).seconds])
     phases = phase_breakdown(moe.layer_id)
     gm = CallTimes([t / L for t in graph_times(run_grouped, device, replays).seconds])
+    bf = CallTimes([t / L for t in graph_times(run_bf16, device, replays).seconds]) if fp8 else None
     flops = 6 * pairs * H * I
     touched = sum(int((lay["offs"].diff(prepend=lay["offs"].new_zeros(1)) > 0).sum()) for lay in layers) / L
-    floor_hbm = touched * 3 * H * I * 2 / 4.3e12
-    floor_mma = flops / 790e12
+    floor_hbm = touched * 3 * H * I * bytes_per_weight / 4.3e12
+    floor_mma = flops / (1580e12 if fp8 else 790e12)
     row = dict(
         shape=shape,
+        dtype="fp8" if fp8 else "bf16",
         tokens=T,
         layers=L,
         pairs=pairs,
@@ -280,12 +357,17 @@ def time_case(shape, T, gen, device, l2, replays) -> dict:
         floor_us=max(floor_hbm, floor_mma) * 1e6,
         phases_us=phases,
     )
+    if bf is not None:
+        row["flashmoe_bf16_us"] = [bf.quantile(q) * 1e6 for q in (0.1, 0.5, 0.9)]
     row["flashmoe_tflops"] = flops / (row["flashmoe_us"][1] * 1e-6) / 1e12
     row["grouped_mm_tflops"] = flops / (row["grouped_mm_us"][1] * 1e-6) / 1e12
     print(
         f"time  {shape:15s} T={T:5d} L={L} flashmoe p50 {row['flashmoe_us'][1]:8.1f} us "
         f"(p90/p10 {row['flashmoe_us'][2] / row['flashmoe_us'][0]:.2f}) grouped_mm {row['grouped_mm_us'][1]:8.1f} us "
-        f"floor {row['floor_us']:7.1f} us | phases " + " ".join(f"{k} {v:.1f}" for k, v in phases.items()),
+        f"floor {row['floor_us']:7.1f} us"
+        + (f" bf16 layer {row['flashmoe_bf16_us'][1]:.1f} us" if bf is not None else "")
+        + " | phases "
+        + " ".join(f"{k} {v:.1f}" for k, v in phases.items()),
         flush=True,
     )
     return row
@@ -304,6 +386,9 @@ def main():
     ap.add_argument("--case", type=int, default=None, help="run only this check case (index into CHECKS)")
     ap.add_argument("--adhoc", default="", help="E,k,H,I,T,routing: check this one case only")
     ap.add_argument("--replays", type=int, default=50)
+    ap.add_argument(
+        "--dtype", choices=("bf16", "fp8"), default="bf16", help="weight format of the checks and timings"
+    )
     ap.add_argument("--seed", type=int, default=int(time.time()))
     ap.add_argument(
         "--commit", default=None, help="commit to record when the tree has no .git (GPU machines)"
@@ -332,18 +417,20 @@ def main():
             for shape, tokens in [part.split(":")]
             for t in tokens.split(",")
         ]
-    result["checks"] = [] if args.time_only else check(gen, device, args.case)
+    fp8 = args.dtype == "fp8"
+    result["dtype"] = args.dtype
+    result["checks"] = [] if args.time_only else check(gen, device, args.case, fp8)
     result["check_seconds"] = time.time() - t0
     if not args.check_only:
         l2 = l2_bytes(device)
-        result["timings"] = [time_case(s, t, gen, device, l2, args.replays) for s, t in TIMINGS]
+        result["timings"] = [time_case(s, t, gen, device, l2, args.replays, fp8) for s, t in TIMINGS]
     Path(args.out).write_text(json.dumps(result, indent=1))
     failed = [c for c in result["checks"] if not c["ok"]]
     print(f"\n{len(result['checks']) - len(failed)}/{len(result['checks'])} checks ok")
     if "timings" in result:
         print(
             f"{'shape':15s} {'T':>5s} {'flashmoe p50':>12s} {'p90/p10':>7s} {'grouped_mm':>10s} {'ratio':>6s} "
-            f"{'floor':>7s} {'x floor':>7s} {'TFLOP/s fm/gm':>14s}"
+            f"{'floor':>7s} {'x floor':>7s} {'TFLOP/s fm/gm':>14s}" + (f" {'bf16 layer':>10s}" if fp8 else "")
         )
         for r in result["timings"]:
             fm, gm = r["flashmoe_us"], r["grouped_mm_us"]
@@ -351,6 +438,7 @@ def main():
                 f"{r['shape']:15s} {r['tokens']:5d} {fm[1]:12.1f} {fm[2] / fm[0]:7.2f} {gm[1]:10.1f} "
                 f"{gm[1] / fm[1]:6.2f} {r['floor_us']:7.1f} {fm[1] / r['floor_us']:7.2f} "
                 f"{r['flashmoe_tflops']:6.0f}/{r['grouped_mm_tflops']:<6.0f}"
+                + (f" {r['flashmoe_bf16_us'][1]:10.1f}" if fp8 else "")
             )
     sys.exit(1 if failed else 0)
 

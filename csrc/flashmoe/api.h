@@ -15,7 +15,9 @@ namespace flashmoe {
 struct LaunchArgs {
   RuntimeArgs run;                                  // contract.h
   int num_tokens, hidden_size, intermediate_size, top_k, num_local;  // from the tensors' shapes
+  bool fp8;                                          // w13/w2 e4m3 with block scales
   const void *x, *topk_ids, *topk_weights, *w13, *w2, *expert_rank, *expert_local;
+  const void *w13_scale, *w2_scale;                 // fp8: fp32 [E_l, 2I/128, H/128], [E_l, H/128, I/128]
   void* out;
   void* sym;        // this rank's symmetric region (nvshmem_malloc)
   void* workspace;  // local, zero-initialised once

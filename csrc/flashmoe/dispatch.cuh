@@ -6,15 +6,86 @@
 // results: each output row depends only on its own input row). NVLink peers get direct 16-byte stores into
 // their heap; other peers (or all, with FLASHMOE_FORCE_PUT) get warp-wide non-blocking puts from registered
 // staging memory, completed by one quiet before the signal (one fence per destination, as Perseus advises).
+//
+// fp8 layers send each row quantised (flashmoe/fp8.py's rule, per 128-group: e4m3 values + an fp32 scale),
+// half the bytes on the wire; the warp quantises a row once, two groups at a time (a half-warp per group),
+// and stores each piece to every destination before the next.
 #pragma once
 
 #include "comm.cuh"
 #include "common.cuh"
+#include "fp8.cuh"
 #include "params.cuh"
 
 namespace flashmoe {
 
+// Bytes of one dispatched row (metrics): the token, and its scales in fp8 layers.
+template <bool kFp8>
+__device__ __forceinline__ int64_t dispatch_row_bytes(const Params& p) {
+  return kFp8 ? p.hidden_size + (p.hidden_size / kFp8Group) * 4 : p.hidden_size * 2;
+}
+
+// fp8: quantise token t's row and store it to every destination in `leaders` (lane L holds destination
+// dest and slot my_slot for leader L); proxied destinations get it through the staging rows, put afterwards.
+__device__ __forceinline__ void send_row_fp8(const Params& p, const PeerTable& peers, int t, unsigned leaders, int dest,
+                                             int my_slot) {
+  const int lane = threadIdx.x & 31;
+  const int H = p.hidden_size, groups = H / kFp8Group;
+  const bf16* src = p.x + static_cast<int64_t>(t) * H;
+  uint8_t* stage_row = sym_ptr<uint8_t>(p, p.sym_off.send_tokens) + static_cast<int64_t>(t) * H;
+  float* stage_scales = sym_ptr<float>(p, p.sym_off.send_scales) + static_cast<int64_t>(t) * groups;
+  bool any_proxied = false;
+  for (unsigned l = leaders; l; l &= l - 1) any_proxied |= !use_p2p(peers, __shfl_sync(0xffffffffu, dest, __ffs(l) - 1));
+  for (int base = 0; base < H; base += 2 * kFp8Group) {
+    const int e = base + lane * 8;  // this lane's 8 elements; lanes 0-15 one group, 16-31 the next
+    const bool valid = e < H;
+    uint4 raw = valid ? __ldg(reinterpret_cast<const uint4*>(src + e)) : make_uint4(0, 0, 0, 0);
+    float v[8];
+    const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const float2 f = __bfloat1622float2(h2[q]);
+      v[2 * q] = f.x;
+      v[2 * q + 1] = f.y;
+    }
+    float amax = 0.f;
+#pragma unroll
+    for (int q = 0; q < 8; ++q) amax = fmaxf(amax, fabsf(v[q]));
+#pragma unroll
+    for (int d = 8; d > 0; d >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, d));  // within a half
+    const Fp8Scale s = fp8_scale(amax);
+    const uint2 q8 = make_uint2(quantize4(v[0], v[1], v[2], v[3], s.inverse), quantize4(v[4], v[5], v[6], v[7], s.inverse));
+    const bool scale_lane = (lane & 15) == 0;
+    for (unsigned l = leaders; l; l &= l - 1) {
+      const int L = __ffs(l) - 1;
+      const int r = __shfl_sync(0xffffffffu, dest, L);
+      const int slot = __shfl_sync(0xffffffffu, my_slot, L);
+      if (!valid || !use_p2p(peers, r)) continue;
+      const int64_t row = static_cast<int64_t>(p.rank) * p.max_tokens_per_rank + slot;
+      char* heap = peers.base[r];
+      *reinterpret_cast<uint2*>(heap + p.sym_off.recv_tokens + row * H + e) = q8;
+      if (scale_lane) reinterpret_cast<float*>(heap + p.sym_off.recv_scales)[row * groups + e / kFp8Group] = s.scale;
+    }
+    if (any_proxied && valid) {
+      *reinterpret_cast<uint2*>(stage_row + e) = q8;
+      if (scale_lane) stage_scales[e / kFp8Group] = s.scale;
+    }
+  }
+  if (!any_proxied) return;
+  __syncwarp();
+  for (unsigned l = leaders; l; l &= l - 1) {
+    const int L = __ffs(l) - 1;
+    const int r = __shfl_sync(0xffffffffu, dest, L);
+    const int slot = __shfl_sync(0xffffffffu, my_slot, L);
+    if (use_p2p(peers, r)) continue;
+    const int64_t row = static_cast<int64_t>(p.rank) * p.max_tokens_per_rank + slot;
+    nvshmemx_putmem_nbi_warp(sym_ptr<uint8_t>(p, p.sym_off.recv_tokens) + row * H, stage_row, H, r);
+    nvshmemx_putmem_nbi_warp(sym_ptr<float>(p, p.sym_off.recv_scales) + row * groups, stage_scales, groups * 4, r);
+  }
+}
+
 // Returns the token-rank rows this warp sent (metrics).
+template <bool kFp8>
 __device__ int dispatch_tokens(const Params& p, const PeerTable& peers) {
   int rows_sent = 0;
   const int lane = threadIdx.x & 31;
@@ -44,7 +115,29 @@ __device__ int dispatch_tokens(const Params& p, const PeerTable& peers) {
     const int local_prev = __shfl_up_sync(0xffffffffu, local, 1);
     const uint4* src_row = reinterpret_cast<const uint4*>(p.x + static_cast<int64_t>(t) * H);
     bool staged = false;
-
+    if constexpr (kFp8) {
+      // Metadata to every destination first, then the row, quantised once.
+      const unsigned all_leaders = leaders;
+      while (leaders) {
+        const int L = __ffs(leaders) - 1;
+        leaders &= leaders - 1;
+        const int r = __shfl_sync(0xffffffffu, dest, L);
+        const int slot = __shfl_sync(0xffffffffu, my_slot, L);
+        const int meta_value = lane == 0 ? t : (dest_prev == r ? local_prev : -1);
+        const int64_t row = static_cast<int64_t>(p.rank) * p.max_tokens_per_rank + slot;
+        ++rows_sent;
+        if (use_p2p(peers, r)) {
+          int* meta = reinterpret_cast<int*>(peers.base[r] + p.sym_off.recv_meta) + row * mstride;
+          if (lane <= k) meta[lane] = meta_value;
+        } else {
+          int* meta_stage = sym_ptr<int>(p, p.sym_off.send_meta) + (static_cast<int64_t>(r) * p.max_tokens_per_rank + slot) * mstride;
+          if (lane <= k) meta_stage[lane] = meta_value;
+          __syncwarp();
+          nvshmemx_putmem_nbi_warp(sym_ptr<int>(p, p.sym_off.recv_meta) + row * mstride, meta_stage, mstride * 4, r);
+        }
+      }
+      send_row_fp8(p, peers, t, all_leaders, dest, my_slot);
+    } else {
     while (leaders) {
       const int L = __ffs(leaders) - 1;
       leaders &= leaders - 1;
@@ -73,6 +166,7 @@ __device__ int dispatch_tokens(const Params& p, const PeerTable& peers) {
         nvshmemx_putmem_nbi_warp(sym_ptr<bf16>(p, p.sym_off.recv_tokens) + row * H,
                                  sym_ptr<bf16>(p, p.sym_off.send_tokens) + static_cast<int64_t>(t) * H, H * 2, r);
       }
+    }
     }
   }
   return rows_sent;

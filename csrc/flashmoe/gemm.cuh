@@ -1,5 +1,6 @@
 // The expert GEMM engine (Hopper): swap-AB tiles, weights by TMA, tokens by cp.async, wgmma, an mbarrier
-// pipeline between a producer warpgroup and two consumer warpgroups.
+// pipeline between a producer warpgroup and two consumer warpgroups. Two weight formats: bf16, and e4m3 with
+// fp32 scales per 128x128 weight block and per token per 128-element group (fp8 layers).
 //
 // Every expert GEMM computes out[token, feature] = sum_k x[token, k] * W[feature, k] as
 // D[feature, token] = W[feature, :] . x[token, :] ("swap-AB"): 64 weight rows are wgmma's A operand and the
@@ -14,6 +15,14 @@
 //                   turns, each computing all 128 rows of its tile while the other runs its previous tile's
 //                   epilogue and next-task bookkeeping, so some warpgroup always drains the ring and the SM
 //                   keeps streaming across tile boundaries. Wide tiles (N = 128) are split: 64 rows each.
+//
+// fp8 tiles stream 128-byte rows too (128 e4m3 of K per stage, one scale block), so a stage has the bytes and
+// swizzle of a bf16 one. Each stage also carries its scales (a float per token row, the weight block's), and
+// the consumers promote: a K step's wgmmas accumulate into fresh registers, which are added to the fp32
+// accumulators times (token scale x weight scale) -- the tensor core's fp8 accumulation keeps ~13 bits, so
+// partial sums longer than one block would lose precision (DeepGEMM does the same). The promotion registers
+// double the accumulator footprint, so fp8 tiles are ping-pong up to 32 tokens and split (two warpgroups) at
+// 64, the widest fp8 tile.
 //
 // The pipeline is drained only when the tile width changes (the stage pool is re-carved, PipeState::enter);
 // otherwise the producer runs ahead into the next tile while the consumers run an epilogue. Tasks (tasks.cuh)
@@ -31,6 +40,15 @@
 namespace flashmoe {
 
 constexpr int kTileK = 64;               // 64 bf16 = one 128-byte swizzle row
+constexpr int kTileKFp8 = 128;           // 128 e4m3 = the same row = one scale block of K
+constexpr int kRowBytesK = 128;          // bytes of K per stage row, either format
+// fp8 partial sums are promoted to the fp32 accumulators every kFp8PromoteK of K (a multiple of 32, dividing
+// 128). Measured on an H200 (scripts/fp8_internals.py, Qwen3-30B shape): the tensor core's accumulation over
+// a 128-K chain of four wgmmas moves 0.93% of the SwiGLU activations' e4m3 codes by a step against the
+// exact-partial reference, promoting after every wgmma (32) 0.37%; the layer output differs from the
+// reference by 5.0e-3 vs 2.7e-3 (rel. Frobenius), both far below fp8's own quantisation error (4.6e-2).
+constexpr int kFp8PromoteK = 128;
+__host__ __device__ constexpr int tile_k(bool fp8) { return fp8 ? kTileKFp8 : kTileK; }
 constexpr int kConsumers = 2;            // consumer warpgroups
 constexpr int kConsumerRows = 64;        // weight rows per consumer (wgmma M)
 constexpr int kTileWeightRows = kConsumers * kConsumerRows;
@@ -41,12 +59,23 @@ constexpr int kFullArrivals = 1 + kProducerThreads;  // TMA expect-tx + every pr
 constexpr int kEmptyArrivals = kConsumers * 4;       // every consumer warp once, or the owner's warps twice
 
 // Whether tiles of width n are ping-pong (one warpgroup per tile) or split (both warpgroups, 64 rows each):
-// a ping-pong warpgroup holds 128 x n fp32 accumulators, which fits the register budget up to n = 64.
-__host__ __device__ constexpr bool ping_pong(int n) { return n <= 64; }
+// a ping-pong warpgroup holds 128 x n fp32 accumulators, which fits the register budget up to n = 64 (bf16)
+// or n = 32 (fp8, whose promotion registers double that).
+__host__ __device__ constexpr bool ping_pong(int n, bool fp8) { return n <= (fp8 ? 32 : 64); }
+// Widest token tile of a format.
+__host__ __device__ constexpr int max_tile_tokens(bool fp8) { return fp8 ? 64 : kMaxTileTokens; }
 // Weight rows of a tile one consumer warpgroup computes, and their 64-row halves (one accumulator set each).
-__host__ __device__ constexpr int consumer_rows(int n) { return ping_pong(n) ? kTileWeightRows : kConsumerRows; }
-// Epilogue staging, per consumer: [token][feature] bf16, rows padded by 16 B to spread banks.
-__host__ __device__ constexpr int staging_stride(int n) { return consumer_rows(n) + 8; }
+__host__ __device__ constexpr int consumer_rows(int n, bool fp8) {
+  return ping_pong(n, fp8) ? kTileWeightRows : kConsumerRows;
+}
+// bf16 epilogue staging, per consumer: [token][feature] bf16, rows padded by 16 B to spread banks.
+__host__ __device__ constexpr int staging_stride(int n, bool fp8) { return consumer_rows(n, fp8) + 8; }
+// fp8 GEMM0 staging: fp32 SwiGLU values [token][128 features] (padded by 16 B), so the epilogue can take each
+// token's 128-group maximum before quantising. A ping-pong consumer's 32 tokens fill its area; a split tile's
+// 64 tokens span both consumers' areas (each writes its features' columns).
+constexpr int kFp8StagingStride = kTileKFp8 + 4;                   // floats
+constexpr int kFp8Gemm0Passes = kTileKFp8 / 64;  // an fp8 GEMM0 task: 128 features = two 64-feature weight tiles
+constexpr int kFp8ConsumerStagingBytes = 32 * kFp8StagingStride * 4;
 
 static_assert(kThreads == kProducerThreads + kConsumers * 128, "one producer and two consumer warpgroups");
 static_assert(kConsumers * kConsumerRows == kHiddenMultiple, "GEMM1 output tile = H step");
@@ -72,18 +101,32 @@ constexpr int kRowDstOffset = 1024;                                     // int64
 constexpr int kRowRankOffset = kRowDstOffset + kConsumers * kMaxTileTokens * 8;  // int [2][128]
 constexpr int kPoolOffset = 4096;
 constexpr int kPoolBytes = kGemmSmemBytes - 1024 /* alignment slack of the dynamic base */ - kPoolOffset;
+// Scales of each stage (fp8): a float per token row, then the weight block's (GEMM0: gate, up), at the pool's
+// top. They complete on the stage's `full` barrier with its token rows.
+constexpr int kScaleSlotFloats = kMaxTileTokens + 8;
+constexpr int kWeightScaleSlot = kMaxTileTokens;
+constexpr int kScaleAreaBytes = kMaxStages * kScaleSlotFloats * 4;
+constexpr int kStagePoolBytes = kPoolBytes - kScaleAreaBytes;  // stages + staging
 static_assert(kTaskIndexOffset + kTaskSlots * 4 <= kRowDstOffset, "barrier area");
 static_assert(kRowRankOffset + kConsumers * kMaxTileTokens * 4 <= kPoolOffset, "row tables");
 
-__host__ __device__ constexpr int stage_bytes(int n) { return kStageWeightBytes + n * kTileK * 2; }
-__host__ __device__ constexpr int staging_bytes(int n) { return kConsumers * n * staging_stride(n) * 2; }
-__host__ __device__ constexpr int stages_for(int n) {
-  const int fit = (kPoolBytes - staging_bytes(n)) / stage_bytes(n);
+__host__ __device__ constexpr int stage_bytes(int n) { return kStageWeightBytes + n * kRowBytesK; }
+__host__ __device__ constexpr int staging_bytes(int n, bool fp8) {
+  return fp8 ? kConsumers * kFp8ConsumerStagingBytes : kConsumers * n * staging_stride(n, fp8) * 2;
+}
+__host__ __device__ constexpr int stages_for(int n, bool fp8) {
+  const int fit = (kStagePoolBytes - staging_bytes(n, fp8)) / stage_bytes(n);
   return fit < kMaxStages ? fit : kMaxStages;
 }
-static_assert(stages_for(32) == 9 && stages_for(64) == 7 && stages_for(128) == 5, "stage counts per tile width");
+static_assert(stages_for(32, false) == 9 && stages_for(64, false) == 7 && stages_for(128, false) == 5,
+              "bf16 stage counts per tile width");
+static_assert(stages_for(32, true) == 8 && stages_for(64, true) == 7, "fp8 stage counts per tile width");
 static_assert(stage_bytes(32) % 1024 == 0 && stage_bytes(64) % 1024 == 0 && stage_bytes(128) % 1024 == 0,
               "stages stay 1024-byte aligned");
+static_assert(kFp8ConsumerStagingBytes >= 32 * staging_stride(32, true) * 2 &&
+                  kFp8ConsumerStagingBytes >= 64 * staging_stride(64, true) * 2 &&
+                  kConsumers * kFp8ConsumerStagingBytes >= 64 * kFp8StagingStride * 4,
+              "fp8 staging holds the GEMM1 bf16 rows of a consumer and a split GEMM0 tile's fp32 rows");
 
 struct GemmSmem {
   char* base;
@@ -94,9 +137,20 @@ struct GemmSmem {
     return GemmSmem{reinterpret_cast<char*>(a), epoch};
   }
   __device__ char* stage(int s, int n) const { return base + kPoolOffset + s * stage_bytes(n); }
-  __device__ bf16* staging(int consumer, int n) const {
-    return reinterpret_cast<bf16*>(base + kPoolOffset + kPoolBytes - staging_bytes(n)) +
-           consumer * n * staging_stride(n);
+  __device__ char* staging_base(int n, bool fp8) const {
+    return base + kPoolOffset + kStagePoolBytes - staging_bytes(n, fp8);
+  }
+  // A consumer's bf16 staging (GEMM1 rows, bf16 GEMM0 rows).
+  __device__ bf16* staging(int consumer, int n, bool fp8) const {
+    const int consumer_bytes = fp8 ? kFp8ConsumerStagingBytes : n * staging_stride(n, fp8) * 2;
+    return reinterpret_cast<bf16*>(staging_base(n, fp8) + consumer * consumer_bytes);
+  }
+  // fp8 GEMM0 fp32 staging: a ping-pong consumer's own area, or (split tiles) both areas as one.
+  __device__ float* fp8_staging(int consumer, int n) const {
+    return reinterpret_cast<float*>(staging_base(n, true) + (ping_pong(n, true) ? consumer * kFp8ConsumerStagingBytes : 0));
+  }
+  __device__ float* scales(int s) const {
+    return reinterpret_cast<float*>(base + kPoolOffset + kStagePoolBytes) + s * kScaleSlotFloats;
   }
   __device__ int64_t* row_dst(int consumer) const {
     return reinterpret_cast<int64_t*>(base + kRowDstOffset) + consumer * kMaxTileTokens;
@@ -145,6 +199,10 @@ __device__ __forceinline__ void pipe_wait(const Params& p, const GemmSmem& g, ui
 
 // Whole-block named barrier of the GEMM phases (id 3; 0 is __syncthreads, 1-2 the consumers').
 __device__ __forceinline__ void gemm_block_sync() { asm volatile("bar.sync 3, %0;\n" ::"n"(kThreads) : "memory"); }
+// Both consumer warpgroups (id 4): the two halves of a split fp8 GEMM0 tile meet in the epilogue.
+__device__ __forceinline__ void consumers_sync() {
+  asm volatile("bar.sync 4, %0;\n" ::"n"(kConsumers * 128) : "memory");
+}
 
 // Position in the stage ring for the current tile width; producer and consumers advance identical copies
 // (same tiles, same K steps). Each barrier's parity is tracked on its own, since the ring length changes
@@ -162,11 +220,12 @@ struct PipeState {
   // At the start of every tile (producer and consumers alike): a tile of another width re-carves the pool.
   // Both sides then meet at a block barrier: the consumers arrive after the previous tile's epilogue, the
   // producer after issuing that tile's loads, so no stage or staging byte of the old carving is in use.
+  template <bool kFp8>
   __device__ void enter(int n) {
     if (n == tile_tokens) return;
     gemm_block_sync();
     tile_tokens = n;
-    num_stages = stages_for(n);
+    num_stages = stages_for(n, kFp8);
     stage = 0;
   }
   __device__ uint32_t phase() const { return parity >> stage & 1u; }
@@ -176,36 +235,45 @@ struct PipeState {
   }
 };
 
-// Token tile for an expert with `rows` rows: the smallest that holds them, else 128-row tiles.
-__host__ __device__ constexpr int tile_tokens_for(int rows) { return rows <= 32 ? 32 : rows <= 64 ? 64 : 128; }
+// Token tile for an expert with `rows` rows: the smallest that holds them, else tiles of the widest.
+__host__ __device__ constexpr int tile_tokens_for(int rows, bool fp8) {
+  return rows <= 32 ? 32 : rows <= 64 || fp8 ? 64 : 128;
+}
 
-// Runs f(std::integral_constant<int, N>{}) for a tile width N from tile_tokens_for (32, 64 or 128).
-template <typename F>
+// Runs f(std::integral_constant<int, N>{}) for a tile width N from tile_tokens_for (32, 64 or 128; fp8 32, 64).
+template <bool kFp8, typename F>
 __device__ __forceinline__ void with_tile_tokens(int n, F&& f) {
   if (n == 32) f(std::integral_constant<int, 32>{});
+  else if constexpr (kFp8) f(std::integral_constant<int, 64>{});
   else if (n == 64) f(std::integral_constant<int, 64>{});
   else f(std::integral_constant<int, 128>{});
 }
 
 // Producer side of one tile of `n` tokens (a tile_tokens_for width), `rows` of them valid.
-// `row_at(r)` is the start of token row r (r < rows; the rest are zero-filled); `issue_weights(stage,
-// full_barrier, ks)` issues the TMA loads of K step ks's 128 weight rows (kStageWeightBytes in total, thread 0
-// only); `rows_ready(ks)` returns once the token rows' K step ks may be read (all producer threads; the weights
-// of that step are already on their way). All 128 producer threads call it with the same arguments.
-template <typename RowAt, typename IssueWeights, typename RowsReady>
+// `row_at(r)` is the start of token row r (r < rows; the rest are zero-filled), K step ks its bytes
+// [128 ks, 128 ks + 128); fp8: `scale_at(r)` is row r's scales, one per K step. `issue_weights(stage,
+// full_barrier, ks, weight_scale_dst)` issues the TMA loads of K step ks's 128 weight rows (kStageWeightBytes
+// in total; fp8: and cp.async of the weight block scales to weight_scale_dst; thread 0 only); `rows_ready(ks)`
+// returns once the token rows' K step ks may be read (all producer threads; the weights of that step are
+// already on their way). All 128 producer threads call it with the same arguments.
+template <bool kFp8, typename RowAt, typename ScaleAt, typename IssueWeights, typename RowsReady>
 __device__ __forceinline__ void produce_tile(const Params& p, const GemmSmem& g, PipeState& st, int n, int rows,
-                                             int k_steps, RowAt row_at, IssueWeights issue_weights,
+                                             int k_steps, RowAt row_at, ScaleAt scale_at, IssueWeights issue_weights,
                                              RowsReady rows_ready) {
-  with_tile_tokens(n, [&](auto tile) {
+  with_tile_tokens<kFp8>(n, [&](auto tile) {
     constexpr int N = decltype(tile)::value;
-    st.enter(N);
+    st.enter<kFp8>(N);
     const int tid = threadIdx.x;  // 0..127
     const int chunk = tid & 7;    // 16-byte chunk of the 128-byte row
-    const bf16* row[N / 16];      // this thread's rows: tile rows (tid / 8) + 16 i
+    const char* row[N / 16];      // this thread's rows: tile rows (tid / 8) + 16 i
 #pragma unroll
     for (int i = 0; i < N / 16; ++i) {
       const int r = (tid >> 3) + 16 * i;
       row[i] = r < rows ? row_at(r) : nullptr;
+    }
+    [[maybe_unused]] const float* scale_row = nullptr;  // fp8: row tid's scales
+    if constexpr (kFp8) {
+      if (tid < rows) scale_row = scale_at(tid);
     }
     uint64_t waited = 0;
     for (int ks = 0; ks < k_steps; ++ks) {
@@ -214,9 +282,10 @@ __device__ __forceinline__ void produce_tile(const Params& p, const GemmSmem& g,
       waited += trace_clock() - wait_start;
       char* stage = g.stage(st.stage, N);
       uint64_t* full = g.full(st.stage);
+      const uint32_t scales = smem_addr(g.scales(st.stage));
       if (tid == 0) {
         mbar_arrive_expect_tx(full, kStageWeightBytes);
-        issue_weights(stage, full, ks);
+        issue_weights(stage, full, ks, scales + kWeightScaleSlot * 4);
       }
       __syncwarp();  // warp 0 whole again before its next wait (see next_task)
       rows_ready(ks);
@@ -225,8 +294,11 @@ __device__ __forceinline__ void produce_tile(const Params& p, const GemmSmem& g,
       for (int i = 0; i < N / 16; ++i) {
         const int r = (tid >> 3) + 16 * i;
         const uint32_t dst = tokens + r * 128 + ((chunk ^ (r & 7)) << 4);  // the 128-byte swizzle
-        const bf16* src = row[i] != nullptr ? row[i] + ks * kTileK + chunk * 8 : p.x;
+        const void* src = row[i] != nullptr ? row[i] + ks * kRowBytesK + chunk * 16 : static_cast<const void*>(p.x);
         cp_async_16(dst, src, row[i] != nullptr);
+      }
+      if constexpr (kFp8) {  // padding rows get scale 0 (their zero rows contribute nothing either way)
+        if (tid < N) cp_async_4(scales + tid * 4, scale_row != nullptr ? scale_row + ks : p.topk_weights, scale_row != nullptr);
       }
       mbar_arrive_on_cp_async(full);
       st.advance();
@@ -238,7 +310,7 @@ __device__ __forceinline__ void produce_tile(const Params& p, const GemmSmem& g,
 
 // Consumer side of one tile: acc[h] = 64 weight rows x N tokens over K, for the consumer's kHalves row halves
 // (ping-pong: both halves of the tile; split: the consumer's own half).
-template <int N, int kHalves = ping_pong(N) ? 2 : 1>
+template <int N, int kHalves = ping_pong(N, false) ? 2 : 1>
 __device__ __forceinline__ void consume_tile(const Params& p, const GemmSmem& g, PipeState& st, int k_steps,
                                              float (&acc)[kHalves][N / 2]) {
   const int consumer = threadIdx.x / 128 - 1;
@@ -283,6 +355,81 @@ __device__ __forceinline__ void consume_tile(const Params& p, const GemmSmem& g,
   if (previous >= 0 && warp_leader) mbar_arrive(g.empty(previous), kReleases);
 }
 
+// fp8 consumer side of one tile: each K step (one 128-K scale block) accumulates into fresh registers, which
+// are promoted into acc with the step's scales: acc += (token scale * weight scale) * partial, the
+// reference's order (flashmoe/reference_fp8.py). Row r0 = 16 w + l/4 of a half takes the stage's first
+// weight scale, row r0 + 8 the second: GEMM0's gate and up rows (the w13 box interleaves 8 of each), GEMM1's
+// one block twice. The stage is released once its scales are in registers.
+template <int N, int kHalves = ping_pong(N, true) ? 2 : 1>
+__device__ __forceinline__ void consume_tile_fp8(const Params& p, const GemmSmem& g, PipeState& st, int k_steps,
+                                                 float (&acc)[kHalves][N / 2]) {
+  const int consumer = threadIdx.x / 128 - 1;
+  const int lane = threadIdx.x & 31;
+  constexpr uint32_t kReleases = kHalves == 2 ? 2 : 1;
+  const uint32_t first_row = kHalves == 2 ? 0 : consumer * kConsumerRows;
+#pragma unroll
+  for (int h = 0; h < kHalves; ++h)
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) acc[h][i] = 0.f;
+  int ks = 0;
+#if FLASHMOE_TRACE
+  st.trace_wait = 0;
+#endif
+  do {
+#if FLASHMOE_TRACE
+    const uint64_t wait_start = clock64();
+    pipe_wait(p, g, g.full(st.stage), st.phase());
+    const uint64_t landed = clock64();
+    st.trace_wait += landed - wait_start;
+    if (ks == 0) st.trace_first_full = landed;
+#else
+    pipe_wait(p, g, g.full(st.stage), st.phase());
+#endif
+    fence_proxy_async();  // the token rows arrived through cp.async (generic proxy)
+    const uint32_t stage = smem_addr(g.stage(st.stage, N));
+    const uint64_t b = sw128_desc(stage + kStageWeightBytes);
+    const float* scales = g.scales(st.stage);
+    const float weight_lo = scales[kWeightScaleSlot], weight_hi = scales[kWeightScaleSlot + 1];
+    float token[N / 4];  // this thread's token columns 8 j + 2 (l % 4) (+1)
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j) {
+      token[2 * j] = scales[8 * j + 2 * (lane & 3)];
+      token[2 * j + 1] = scales[8 * j + 2 * (lane & 3) + 1];
+    }
+    constexpr int kPerPromotion = kFp8PromoteK / 32;
+#pragma unroll
+    for (int k0 = 0; k0 < kTileKFp8 / 32; k0 += kPerPromotion) {
+      float partial[kHalves][N / 2];
+      wgmma_fence();
+#pragma unroll
+      for (int h = 0; h < kHalves; ++h) {
+        const uint64_t a = sw128_desc(stage + (first_row + h * kConsumerRows) * 128);
+#pragma unroll
+        for (int kk = k0; kk < k0 + kPerPromotion; ++kk)
+          WgmmaFp8<N>::mma(partial[h], a + 2 * kk, b + 2 * kk, kk > k0);
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+#pragma unroll
+      for (int h = 0; h < kHalves; ++h) fence_accumulators(partial[h]);
+      if (k0 + kPerPromotion == kTileKFp8 / 32) {
+        __syncwarp();
+        if (lane == 0) mbar_arrive(g.empty(st.stage), kReleases);
+      }
+#pragma unroll
+      for (int h = 0; h < kHalves; ++h)
+#pragma unroll
+        for (int j = 0; j < N / 8; ++j) {
+          acc[h][4 * j] = fmaf(token[2 * j] * weight_lo, partial[h][4 * j], acc[h][4 * j]);
+          acc[h][4 * j + 1] = fmaf(token[2 * j + 1] * weight_lo, partial[h][4 * j + 1], acc[h][4 * j + 1]);
+          acc[h][4 * j + 2] = fmaf(token[2 * j] * weight_hi, partial[h][4 * j + 2], acc[h][4 * j + 2]);
+          acc[h][4 * j + 3] = fmaf(token[2 * j + 1] * weight_hi, partial[h][4 * j + 3], acc[h][4 * j + 3]);
+        }
+    }
+    st.advance();
+  } while (++ks < k_steps);
+}
+
 // Named barrier of one consumer warpgroup (ids 1, 2; 0 is __syncthreads).
 __device__ __forceinline__ void consumer_sync(int consumer) {
   asm volatile("bar.sync %0, 128;\n" ::"r"(1 + consumer) : "memory");
@@ -304,6 +451,19 @@ __device__ __forceinline__ void store_swiglu(const float (&acc)[N / 2], bf16* st
     const int t = 8 * j + 2 * (lane & 3);
     staging[t * stride + f] = __float2bfloat16_rn(silu(acc[4 * j]) * acc[4 * j + 2]);
     staging[(t + 1) * stride + f] = __float2bfloat16_rn(silu(acc[4 * j + 1]) * acc[4 * j + 3]);
+  }
+}
+
+// fp8 GEMM0: the same SwiGLU in fp32 (the epilogue quantises each token's 128-group from these values).
+template <int N>
+__device__ __forceinline__ void store_swiglu_f32(const float (&acc)[N / 2], float* staging, int column) {
+  const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
+  const int f = column + 8 * warp + (lane >> 2);
+#pragma unroll
+  for (int j = 0; j < N / 8; ++j) {
+    const int t = 8 * j + 2 * (lane & 3);
+    staging[t * kFp8StagingStride + f] = silu(acc[4 * j]) * acc[4 * j + 2];
+    staging[(t + 1) * kFp8StagingStride + f] = silu(acc[4 * j + 1]) * acc[4 * j + 3];
   }
 }
 
@@ -336,41 +496,77 @@ struct Staged {
 // Smem layout and pipeline state travel by value, so the mainloop keeps them in registers; one function per
 // tile shape keeps ptxas's wgmma pipeline analysis to one accumulator set.
 template <bool kGateUp, int N>
-__device__ __noinline__ PipeState mma_tile_to_staging(const Params& p, const GemmSmem g, PipeState st, int k_steps,
+static __device__ __noinline__ PipeState mma_tile_to_staging(const Params& p, const GemmSmem g, PipeState st, int k_steps,
                                                       bf16* staging) {
-  constexpr int kHalves = ping_pong(N) ? 2 : 1;
+  constexpr int kHalves = ping_pong(N, false) ? 2 : 1;
   float acc[kHalves][N / 2];
   consume_tile<N>(p, g, st, k_steps, acc);
 #pragma unroll
   for (int h = 0; h < kHalves; ++h) {
-    if constexpr (kGateUp) store_swiglu<N>(acc[h], staging, staging_stride(N), h * kConsumerRows / 2);
-    else store_plain<N>(acc[h], staging, staging_stride(N), h * kConsumerRows);
+    if constexpr (kGateUp) store_swiglu<N>(acc[h], staging, staging_stride(N, false), h * kConsumerRows / 2);
+    else store_plain<N>(acc[h], staging, staging_stride(N, false), h * kConsumerRows);
   }
   return st;
 }
 
-template <bool kGateUp>
+// fp8: GEMM0 (kGateUp: fp32 SwiGLU values at fp32 staging column `column`) or GEMM1 (bf16 rows).
+template <bool kGateUp, int N>
+static __device__ __noinline__ PipeState mma_fp8_tile_to_staging(const Params& p, const GemmSmem g, PipeState st,
+                                                          int k_steps, void* staging, int column) {
+  constexpr int kHalves = ping_pong(N, true) ? 2 : 1;
+  float acc[kHalves][N / 2];
+  consume_tile_fp8<N>(p, g, st, k_steps, acc);
+#pragma unroll
+  for (int h = 0; h < kHalves; ++h) {
+    if constexpr (kGateUp) store_swiglu_f32<N>(acc[h], static_cast<float*>(staging), column + h * kConsumerRows / 2);
+    else store_plain<N>(acc[h], static_cast<bf16*>(staging), staging_stride(N, true), h * kConsumerRows);
+  }
+  return st;
+}
+
+template <bool kGateUp, bool kFp8 = false>
 __device__ __forceinline__ Staged mma_tile_to_staging(const Params& p, const GemmSmem& g, PipeState& st,
                                                       int tile_tokens, int k_steps) {
   const int consumer = threadIdx.x / 128 - 1;
   Staged out{};
-  with_tile_tokens(tile_tokens, [&](auto tile) {
+  with_tile_tokens<kFp8>(tile_tokens, [&](auto tile) {
     constexpr int N = decltype(tile)::value;
-    st.enter(N);
-    bf16* staging = g.staging(consumer, N);
-    st = mma_tile_to_staging<kGateUp, N>(p, g, st, k_steps, staging);
-    const int rows = consumer_rows(N);  // weight rows this consumer computed
-    const int first_row = ping_pong(N) ? 0 : consumer * kConsumerRows;
-    out = Staged{staging, staging_stride(N), kGateUp ? rows / 2 : rows, kGateUp ? first_row / 2 : first_row};
+    st.enter<kFp8>(N);
+    bf16* staging = g.staging(consumer, N, kFp8);
+    if constexpr (kFp8) st = mma_fp8_tile_to_staging<false, N>(p, g, st, k_steps, staging, 0);
+    else st = mma_tile_to_staging<kGateUp, N>(p, g, st, k_steps, staging);
+    const int rows = consumer_rows(N, kFp8);  // weight rows this consumer computed
+    const int first_row = ping_pong(N, kFp8) ? 0 : consumer * kConsumerRows;
+    out = Staged{staging, staging_stride(N, kFp8), kGateUp ? rows / 2 : rows, kGateUp ? first_row / 2 : first_row};
+  });
+  return out;
+}
+
+// fp8 GEMM0 task (128 intermediate features = one activation group): two passes of 64 features over K, their
+// fp32 SwiGLU values into the fp32 staging (ping-pong: the consumer's area, all 128 columns; split: the joint
+// area, this consumer's 32 columns of each pass). Returns that staging.
+__device__ __forceinline__ const float* mma_fp8_gemm0_to_staging(const Params& p, const GemmSmem& g, PipeState& st,
+                                                                 int tile_tokens, int k_steps) {
+  const int consumer = threadIdx.x / 128 - 1;
+  const float* out = nullptr;
+  with_tile_tokens<true>(tile_tokens, [&](auto tile) {
+    constexpr int N = decltype(tile)::value;
+    st.enter<true>(N);
+    float* staging = g.fp8_staging(consumer, N);
+    const int column = ping_pong(N, true) ? 0 : consumer * kConsumerRows / 2;
+    for (int pass = 0; pass < kFp8Gemm0Passes; ++pass)
+      st = mma_fp8_tile_to_staging<true, N>(p, g, st, k_steps, staging, column + pass * kInterMultiple);
+    out = staging;
   });
   return out;
 }
 
 // A consumer warpgroup passes over a ping-pong tile the other one computes: its pipeline position moves past
 // the tile's stages (and a width change meets the block barrier like everyone else).
+template <bool kFp8>
 __device__ __forceinline__ void skip_tile(PipeState& st, int tile_tokens, int k_steps) {
-  with_tile_tokens(tile_tokens, [&](auto tile) {
-    st.enter(decltype(tile)::value);
+  with_tile_tokens<kFp8>(tile_tokens, [&](auto tile) {
+    st.enter<kFp8>(decltype(tile)::value);
     for (int ks = 0; ks < k_steps; ++ks) st.advance();
   });
 }

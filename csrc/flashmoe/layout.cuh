@@ -2,15 +2,18 @@
 //
 // One layout per process, sized once for the largest layer ("capacity"); every layer and call reuses it.
 // Sizes (bytes, T = max tokens per rank, W = EP size, k = top-k, E_l = max local experts, B = blocks):
-//   symmetric  recv_tokens   W*T*H*2          a source's rows land at [src][slot]
+//   symmetric  recv_tokens   W*T*H*2          a source's rows land at [src][slot] (fp8 layers: e4m3, H bytes)
+//              recv_scales   W*T*(H/128)*4    fp8 layers: the rows' per-128-group scales
 //              recv_meta     W*T*(1+k)*4      per received row: source token id, local expert per top-k slot
 //              combine_rows  T*k*H*2          expert outputs for this rank's (token, j), written by the owners
 //              signals       2*W*8            dispatch / combine, (epoch << 32) | count
 //              send_tokens   T*H*2            put path only: x staged in registered memory
+//              send_scales   T*(H/128)*4      put path only (fp8 layers)
 //              send_meta     W*T*(1+k)*4      put path only
 //              combine_stage B*128*128*2      put path only: one GEMM1 output tile per block
 //   workspace  expert_rows   E_l*W*T*4        per local expert: received (row, j) entries
-//              act           W*T*min(k,E_l)*I*2   SwiGLU activations, grouped by expert
+//              act           W*T*min(k,E_l)*I*2   SwiGLU activations, grouped by expert (fp8 layers: e4m3)
+//              act_scales    W*T*min(k,E_l)*(I/128)*4  fp8 layers: their per-128-group scales
 //              counters      small (per rank, per local expert, per call)
 #pragma once
 
@@ -28,16 +31,16 @@ constexpr int64_t kAlign = 256;
 __host__ __device__ constexpr int64_t align_up(int64_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 
 struct SymLayout {
-  int64_t recv_tokens, recv_meta, combine_rows, dispatch_signal, combine_signal;
-  int64_t send_tokens, send_meta, combine_stage;
+  int64_t recv_tokens, recv_scales, recv_meta, combine_rows, dispatch_signal, combine_signal;
+  int64_t send_tokens, send_scales, send_meta, combine_stage;
   int64_t total;
 };
 
 struct WorkspaceLayout {
-  int64_t expert_rows, act;
+  int64_t expert_rows, act, act_scales;
   int64_t rank_send_count;   // [W] u32   rows this rank sends to each destination (atomic slots)
   int64_t expert_count;      // [E_l] u32 rows received per local expert
-  int64_t gemm0_done;        // [E_l][I/64] u32 GEMM0 tile completions per (local expert, feature tile)
+  int64_t gemm0_done;        // [E_l][I/64] u32 GEMM0 tile completions per (local expert, feature tile); fp8: I/128
   int64_t task_counter;      // u32       GEMM tasks taken by the blocks this call
   int64_t remote_entries;    // u32       received (row, j) entries from other ranks (metrics)
   int64_t barrier;           // u32       grid barrier word
@@ -56,11 +59,13 @@ __host__ __device__ inline SymLayout sym_layout(const Capacity& c) {
   int64_t off = 0;
   auto take = [&](int64_t bytes) { int64_t o = off; off += align_up(bytes); return o; };
   l.recv_tokens = take(c.world_size * c.max_tokens_per_rank * c.hidden_size * 2);
+  l.recv_scales = take(c.world_size * c.max_tokens_per_rank * (c.hidden_size / kHiddenMultiple) * 4);
   l.recv_meta = take(c.world_size * c.max_tokens_per_rank * meta_stride(c.top_k) * 4);
   l.combine_rows = take(c.max_tokens_per_rank * c.top_k * c.hidden_size * 2);
   l.dispatch_signal = take(c.world_size * 8);
   l.combine_signal = take(c.world_size * 8);
   l.send_tokens = take(c.max_tokens_per_rank * c.hidden_size * 2);
+  l.send_scales = take(c.max_tokens_per_rank * (c.hidden_size / kHiddenMultiple) * 4);
   l.send_meta = take(c.world_size * c.max_tokens_per_rank * meta_stride(c.top_k) * 4);
   l.combine_stage = take(c.num_blocks * kCombineStageBytesPerBlock);
   l.total = off;
@@ -79,6 +84,7 @@ __host__ __device__ inline WorkspaceLayout workspace_layout(const Capacity& c) {
   l.expert_rows = take(c.max_local * c.world_size * c.max_tokens_per_rank * 4);
   // Expert e's rows start at the prefix of the counts before it; tiles read and write only valid rows.
   l.act = take(max_received_entries(c) * c.intermediate_size * 2);
+  l.act_scales = take(max_received_entries(c) * (c.intermediate_size / kHiddenMultiple) * 4);
   l.rank_send_count = take(c.world_size * 4);
   l.expert_count = take(c.max_local * 4);
   l.gemm0_done = take(c.max_local * (c.intermediate_size / kInterMultiple) * 4);

@@ -9,7 +9,8 @@
 //   4 combine      wait for every owner, reduce over top-k slots      (source side)
 //
 // In the GEMM phase warpgroup 0 produces (TMA, cp.async) and warpgroups 1-2 consume (wgmma); the ring of
-// stages is set up once per launch and carries over from tile to tile.
+// stages is set up once per launch and carries over from tile to tile. kFp8: block-fp8 weights (e4m3 with
+// 128x128 block scales), tokens quantised per 128-group in dispatch, activations re-quantised after SwiGLU.
 #pragma once
 
 #include "combine.cuh"
@@ -37,6 +38,7 @@ struct BlockShared {
   bool any_proxied;  // some peer is reached through NVSHMEM puts
 };
 
+template <bool kFp8>
 __device__ void moe_layer(const Params& p) {
   extern __shared__ unsigned char dynamic_smem[];
   __shared__ BlockShared sh;
@@ -62,7 +64,7 @@ __device__ void moe_layer(const Params& p) {
 
   // 1. Dispatch.
   clock.start();
-  const int warp_rows_sent = dispatch_tokens(p, sh.peers);
+  const int warp_rows_sent = dispatch_tokens<kFp8>(p, sh.peers);
   const int rows_sent = (threadIdx.x & 31) == 0 ? warp_rows_sent : 0;  // every lane counted the warp's rows
   __threadfence_system();  // our NVLink stores are visible before any signal that follows the barrier
   clock.stop();
@@ -81,7 +83,7 @@ __device__ void moe_layer(const Params& p) {
       const uint32_t n = __ldcg(send_count + r);
       send_signal(p, sh.peers, sym_ptr<uint64_t>(p, p.sym_off.dispatch_signal) + p.rank, r,
                   (static_cast<uint64_t>(epoch) << 32) | n);
-      if (r != p.rank) remote_bytes += static_cast<int64_t>(n) * (p.hidden_size * 2 + meta_stride(p.top_k) * 4);
+      if (r != p.rank) remote_bytes += static_cast<int64_t>(n) * (dispatch_row_bytes<kFp8>(p) + meta_stride(p.top_k) * 4);
     }
   }
 
@@ -97,11 +99,11 @@ __device__ void moe_layer(const Params& p) {
   trace(kTraceBarrier2Done);
 
   // 3-4. GEMM0 (+ SwiGLU) and GEMM1 into the owners' combine buffers, one task queue (scheduler.cuh).
-  build_expert_table(p, sh.table);
+  build_expert_table<kFp8>(p, sh.table);
   trace(kTraceGemmStart);
   clock.start();
-  if (producer) produce_tasks(p, gemm, sh.table);
-  else remote_bytes += consume_tasks(p, sh.peers, sh.any_proxied, gemm, sh.table);
+  if (producer) produce_tasks<kFp8>(p, gemm, sh.table);
+  else remote_bytes += consume_tasks<kFp8>(p, sh.peers, sh.any_proxied, gemm, sh.table);
   __threadfence_system();
   clock.stop();
   __syncthreads();

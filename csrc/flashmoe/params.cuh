@@ -29,8 +29,10 @@ struct Params {
   const bf16* x;               // [T, H]
   const int* topk_ids;         // [T, k], -1 = skip
   const float* topk_weights;   // [T, k]
-  const bf16* w13;             // [E_l, 2I, H], gate rows then up rows
-  const bf16* w2;              // [E_l, H, I]
+  const void* w13;             // [E_l, 2I, H], gate rows then up rows (bf16, or e4m3 in fp8 layers)
+  const void* w2;              // [E_l, H, I]
+  const float* w13_scale;      // fp8 layers: [E_l, 2I/128, H/128] per 128x128 block (dequantised = q * scale)
+  const float* w2_scale;       // fp8 layers: [E_l, H/128, I/128]
   const int* expert_rank;      // [E]
   const int* expert_local;     // [E]
   bf16* out;                   // [T, H]
@@ -43,8 +45,8 @@ struct Params {
   int64_t expert_rows_stride;  // entries per local expert list (W * max_tokens)
 
   // TMA descriptors of this call's weights (built on the host per launch, see kernel.cu).
-  CUtensorMap tmap_w13;  // w13 as [E_l][I/8][2][8][H]: one box = a stage's 128 gate/up rows
-  CUtensorMap tmap_w2;  // w2 as [E_l H][I]
+  CUtensorMap tmap_w13;  // w13 as [E_l][I/8][2][8][H]: one box = a stage's 128 gate/up rows x 128 bytes of K
+  CUtensorMap tmap_w2;  // w2 as [E_l H][I]: one box = 128 rows x 128 bytes of K
 
   Status* status;              // host-mapped
   int64_t* metrics_ring;       // [kRingSlots, kRingFields]

@@ -1,7 +1,7 @@
 // Task scheduler of the GEMM phases. After the receive phase every block knows the per-expert row counts and
 // builds the same prefix table in shared memory. The work is one flat list of tasks:
 //
-//   [0, n0)        GEMM0 tasks: (expert, feature tile of 64 intermediate features, token tile)
+//   [0, n0)        GEMM0 tasks: (expert, feature tile of 64 intermediate features (fp8: 128), token tile)
 //   [n0, n0 + n1)  GEMM1 tasks: (expert, feature tile of 128 hidden features, token tile)
 //
 // each expert-major, then feature tile, then token tile fastest (the token tiles of one weight tile run at
@@ -12,8 +12,8 @@
 // per pair). Every GEMM0 task is taken before any GEMM1 task and a block issues all loads of a task before
 // it takes the next, so the wait cannot deadlock; at small T it overlaps GEMM1's weight stream with GEMM0.
 //
-// Each expert gets the smallest token tile that holds its rows (32, 64, else 128-row tiles), so decode
-// experts with a handful of rows cost one weight pass.
+// Each expert gets the smallest token tile that holds its rows (32, 64, else 128-row tiles; fp8 64-row tiles),
+// so decode experts with a handful of rows cost one weight pass.
 #pragma once
 
 #include "common.cuh"
@@ -29,10 +29,14 @@ struct ExpertTable {
   int tile_offset[kMaxLocalExperts + 1];   // first token tile of each expert (prefix of its tile counts)
 };
 
-__device__ __forceinline__ int token_tiles(int rows) { return rows == 0 ? 0 : ceil_div(rows, tile_tokens_for(rows)); }
+template <bool kFp8>
+__device__ __forceinline__ int token_tiles(int rows) {
+  return rows == 0 ? 0 : ceil_div(rows, tile_tokens_for(rows, kFp8));
+}
 
 // Fill the table from the workspace counters (all blocks compute the same thing): warp 0 scans the counts 32
 // experts at a time.
+template <bool kFp8>
 __device__ void build_expert_table(const Params& p, ExpertTable& t) {
   const uint32_t* counts = ws_ptr<uint32_t>(p, p.ws_off.expert_count);
   for (int e = threadIdx.x; e < p.num_local; e += blockDim.x) t.count[e] = static_cast<int>(__ldcg(counts + e));
@@ -43,7 +47,7 @@ __device__ void build_expert_table(const Params& p, ExpertTable& t) {
     for (int base = 0; base < p.num_local; base += 32) {
       const int e = base + lane;
       const int count = e < p.num_local ? t.count[e] : 0;
-      const int tiles = token_tiles(count);
+      const int tiles = token_tiles<kFp8>(count);
       int rows_incl = count, tiles_incl = tiles;
 #pragma unroll
       for (int d = 1; d < 32; d <<= 1) {
@@ -80,15 +84,19 @@ struct Task {
 
 constexpr int kGemm0TileFeatures = kInterMultiple;   // 64 intermediate features (x2 rows: gate and up)
 constexpr int kGemm1TileFeatures = kHiddenMultiple;  // 128 hidden features
+// Intermediate features of a GEMM0 task: one weight tile (bf16), or an activation group of two (fp8: the
+// epilogue quantises each token's 128 features with one scale, so one task computes them all).
+__host__ __device__ constexpr int gemm0_task_features(bool fp8) { return fp8 ? kTileKFp8 : kGemm0TileFeatures; }
 
 struct TaskCounts {
   int gemm0, total;
   int feature_tiles[2];  // per GEMM
 };
 
+template <bool kFp8>
 __device__ __forceinline__ TaskCounts task_counts(const Params& p, const ExpertTable& t) {
   TaskCounts c;
-  c.feature_tiles[0] = p.intermediate_size / kGemm0TileFeatures;
+  c.feature_tiles[0] = p.intermediate_size / gemm0_task_features(kFp8);
   c.feature_tiles[1] = p.hidden_size / kGemm1TileFeatures;
   c.gemm0 = t.tile_offset[p.num_local] * c.feature_tiles[0];
   c.total = c.gemm0 + t.tile_offset[p.num_local] * c.feature_tiles[1];
@@ -96,12 +104,14 @@ __device__ __forceinline__ TaskCounts task_counts(const Params& p, const ExpertT
 }
 
 // Completions of one (expert, GEMM0 feature tile) pair: one per consumer warpgroup per token tile.
+template <bool kFp8>
 __device__ __forceinline__ uint32_t gemm0_arrivals(const ExpertTable& t, int expert) {
-  return static_cast<uint32_t>(kConsumers * token_tiles(t.count[expert]));
+  return static_cast<uint32_t>(kConsumers * token_tiles<kFp8>(t.count[expert]));
 }
 
 // Flat task index -> task. Binary search for the last expert whose first task is <= index (experts without
 // rows own no task, so the one found has tiles).
+template <bool kFp8>
 __device__ __forceinline__ Task decode_task(const ExpertTable& t, int num_local, const TaskCounts& c, int index) {
   Task k;
   k.gemm = index >= c.gemm0;
@@ -117,7 +127,7 @@ __device__ __forceinline__ Task decode_task(const ExpertTable& t, int num_local,
   const int local = index - t.tile_offset[lo] * feature_tiles;
   k.expert = lo;
   k.feature_tile = local / tiles;
-  k.tile_tokens = tile_tokens_for(t.count[lo]);
+  k.tile_tokens = tile_tokens_for(t.count[lo], kFp8);
   k.first_row = (local % tiles) * k.tile_tokens;
   const int left = t.count[lo] - k.first_row;
   k.rows = left < k.tile_tokens ? left : k.tile_tokens;

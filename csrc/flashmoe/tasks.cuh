@@ -1,5 +1,8 @@
 // Expert tasks: what each GEMM reads and where its tiles go. The GEMM engine (gemm.cuh) does the math; the
-// scheduler (scheduler.cuh) says which task runs next.
+// scheduler (scheduler.cuh) says which task runs next. fp8 layers read e4m3 rows with per-128-group scales
+// (received tokens, activations) and e4m3 weights with their block scales; a GEMM0 task computes 128 features
+// in two passes and its epilogue quantises each token's 128 SwiGLU values with one scale (the reference's
+// activation group).
 //   GEMM0: act = silu(x W_gate^T) * (x W_up^T); x = received rows gathered through the expert's list,
 //          W = the engine's w13 read in place (gate and up rows of 32 features per consumer, one mainloop).
 //          Each finished tile counts on its (expert, feature tile) completion counter.
@@ -12,6 +15,7 @@
 
 #include "comm.cuh"
 #include "common.cuh"
+#include "fp8.cuh"
 #include "gemm.cuh"
 #include "metrics.cuh"
 #include "params.cuh"
@@ -24,10 +28,11 @@ __device__ __forceinline__ const int* expert_list(const Params& p, int expert) {
   return ws_ptr<int>(p, p.ws_off.expert_rows) + static_cast<int64_t>(expert) * p.expert_rows_stride;
 }
 
-// Completion counter of (local expert, GEMM0 feature tile).
+// Completion counter of (local expert, GEMM0 task feature tile) = GEMM1 K step.
+template <bool kFp8>
 __device__ __forceinline__ uint32_t* gemm0_done(const Params& p, int expert, int feature_tile) {
   return ws_ptr<uint32_t>(p, p.ws_off.gemm0_done) +
-         static_cast<int64_t>(expert) * (p.intermediate_size / kGemm0TileFeatures) + feature_tile;
+         static_cast<int64_t>(expert) * (p.intermediate_size / gemm0_task_features(kFp8)) + feature_tile;
 }
 
 // Which K steps of a GEMM1 tile have their activation rows written: bit s of `ready` is K step window + s.
@@ -77,51 +82,76 @@ struct ActReadiness {
 };
 
 // The producer warpgroup's whole GEMM phase.
-__device__ __noinline__ void produce_tasks(const Params& p, const GemmSmem& g, const ExpertTable& table) {
-  const TaskCounts counts = task_counts(p, table);
-  const bf16* recv = sym_ptr<bf16>(p, p.sym_off.recv_tokens);
-  const bf16* act = ws_ptr<bf16>(p, p.ws_off.act);
+template <bool kFp8>
+static __device__ __noinline__ void produce_tasks(const Params& p, const GemmSmem& g, const ExpertTable& table) {
+  const TaskCounts counts = task_counts<kFp8>(p, table);
+  const char* recv = sym_ptr<char>(p, p.sym_off.recv_tokens);
+  const float* recv_scales = sym_ptr<float>(p, p.sym_off.recv_scales);
+  const char* act = ws_ptr<char>(p, p.ws_off.act);
+  const float* act_scales = ws_ptr<float>(p, p.ws_off.act_scales);
+  constexpr int kElementBytes = kFp8 ? 1 : 2;
+  const int64_t hidden_row_bytes = static_cast<int64_t>(p.hidden_size) * kElementBytes;
+  const int64_t inter_row_bytes = static_cast<int64_t>(p.intermediate_size) * kElementBytes;
+  const int hidden_groups = p.hidden_size / kFp8Group, inter_groups = p.intermediate_size / kFp8Group;
   PipeState st;
   TaskQueue queue;
   int index;
   while ((index = next_task(p, g, queue, counts.total)) >= 0) {
-    const Task task = decode_task(table, p.num_local, counts, index);
+    const Task task = decode_task<kFp8>(table, p.num_local, counts, index);
     trace(kTraceProducerTask, index, task.gemm << 24 | task.expert,
           task.feature_tile << 16 | task.tile_tokens << 8 | task.rows);
-    const int k_steps = (task.gemm == 0 ? p.hidden_size : p.intermediate_size) / kTileK;
+    const int k_steps = (task.gemm == 0 ? p.hidden_size : p.intermediate_size) / tile_k(kFp8);
     const int reserve_step = k_steps > kReserveStages ? k_steps - kReserveStages : 0;
     if (task.gemm == 0) {
       trace(kTraceProducerReady);
       const int* list = expert_list(p, task.expert) + task.first_row;
-      // One 5-D box = the stage: 8 groups of (8 gate rows, the same 8 features' up rows).
-      produce_tile(
-          p, g, st, task.tile_tokens, task.rows, k_steps,
-          [&](int r) { return recv + static_cast<int64_t>(ldcg(list + r) >> 4) * p.hidden_size; },
-          [&](char* stage, uint64_t* full, int ks) {
-            tma_load_5d(stage, &p.tmap_w13, full, ks * kTileK, 0, 0, task.feature_tile * (kGemm0TileFeatures / 8),
-                        task.expert);
-            if (ks == reserve_step) reserve_task(p, queue);
-          },
-          [](int) {});
+      const auto row_at = [&](int r) { return recv + static_cast<int64_t>(ldcg(list + r) >> 4) * hidden_row_bytes; };
+      const auto scale_at = [&](int r) { return recv_scales + static_cast<int64_t>(ldcg(list + r) >> 4) * hidden_groups; };
+      // fp8: the gate and up rows of the task's 128 features are one weight block each (per K step).
+      const float* gate_scale =
+          kFp8 ? p.w13_scale + (static_cast<int64_t>(task.expert) * 2 * inter_groups + task.feature_tile) * hidden_groups
+               : nullptr;
+      const float* up_scale = kFp8 ? gate_scale + static_cast<int64_t>(inter_groups) * hidden_groups : nullptr;
+      constexpr int kPasses = kFp8 ? kFp8Gemm0Passes : 1;
+      for (int pass = 0; pass < kPasses; ++pass) {
+        // One 5-D box = the stage: 8 groups of (8 gate rows, the same 8 features' up rows).
+        const int feature_group = (task.feature_tile * gemm0_task_features(kFp8) + pass * kGemm0TileFeatures) / 8;
+        produce_tile<kFp8>(
+            p, g, st, task.tile_tokens, task.rows, k_steps, row_at, scale_at,
+            [&](char* stage, uint64_t* full, int ks, uint32_t weight_scales) {
+              tma_load_5d(stage, &p.tmap_w13, full, ks * tile_k(kFp8), 0, 0, feature_group, task.expert);
+              if constexpr (kFp8) {
+                cp_async_4(weight_scales, gate_scale + ks, true);
+                cp_async_4(weight_scales + 4, up_scale + ks, true);
+              }
+              if (pass == kPasses - 1 && ks == reserve_step) reserve_task(p, queue);
+            },
+            [](int) {});
+      }
     } else {
       const int64_t first = table.row_offset[task.expert] + task.first_row;
-      ActReadiness readiness{gemm0_done(p, task.expert, 0), gemm0_arrivals(table, task.expert), k_steps};
+      ActReadiness readiness{gemm0_done<kFp8>(p, task.expert, 0), gemm0_arrivals<kFp8>(table, task.expert), k_steps};
+      const int w2_row = task.expert * p.hidden_size + task.feature_tile * kGemm1TileFeatures;
+      const float* weight_scale =
+          kFp8 ? p.w2_scale + (static_cast<int64_t>(task.expert) * hidden_groups + task.feature_tile) * inter_groups
+               : nullptr;
       // w2 viewed as [E_l H][I]: one box = the tile's 128 output-feature rows.
-      produce_tile(
-          p, g, st, task.tile_tokens, task.rows, k_steps,
-          [&](int r) { return act + (first + r) * p.intermediate_size; },
-          [&](char* stage, uint64_t* full, int ks) {
-            tma_load_2d(stage, &p.tmap_w2, full, ks * kTileK,
-                        task.expert * p.hidden_size + task.feature_tile * kGemm1TileFeatures);
+      produce_tile<kFp8>(
+          p, g, st, task.tile_tokens, task.rows, k_steps, [&](int r) { return act + (first + r) * inter_row_bytes; },
+          [&](int r) { return act_scales + (first + r) * inter_groups; },
+          [&](char* stage, uint64_t* full, int ks, uint32_t weight_scales) {
+            tma_load_2d(stage, &p.tmap_w2, full, ks * tile_k(kFp8), w2_row);
+            if constexpr (kFp8) {  // one block for the tile's rows: both slots
+              cp_async_4(weight_scales, weight_scale + ks, true);
+              cp_async_4(weight_scales + 4, weight_scale + ks, true);
+            }
             if (ks == reserve_step) reserve_task(p, queue);
           },
           [&](int ks) {
             // Not ready (small T: GEMM0 still streaming): pull the tile's remaining weights into L2 meanwhile.
             readiness.wait(p, g, task.expert, ks, [&] {
               if (threadIdx.x == 0 && ks == 0)
-                for (int s = 1; s < k_steps; ++s)
-                  tma_prefetch_l2_2d(&p.tmap_w2, s * kTileK,
-                                     task.expert * p.hidden_size + task.feature_tile * kGemm1TileFeatures);
+                for (int s = 1; s < k_steps; ++s) tma_prefetch_l2_2d(&p.tmap_w2, s * tile_k(kFp8), w2_row);
             });
             if (ks == 0) trace(kTraceProducerReady);
           });
@@ -146,8 +176,45 @@ __device__ __forceinline__ void store_activations(const Params& p, const GemmSme
   consumer_sync(consumer);  // every row stored; staging is rewritten by the next tile
   if (tid == 0) {
     __threadfence();  // the warpgroup's stores (ordered by the barrier) before the count: release
-    atomicAdd(gemm0_done(p, task.expert, task.feature_tile), staged.features == kGemm0TileFeatures ? kConsumers : 1u);
+    atomicAdd(gemm0_done<false>(p, task.expert, task.feature_tile), staged.features == kGemm0TileFeatures ? kConsumers : 1u);
     mark_time(p, g.epoch, kRingGemm0EndNs);  // the last GEMM0 tile of the call
+  }
+  __syncwarp();
+  trace(kTraceConsumerCounted);
+}
+
+// fp8 GEMM0 epilogue: each token row's 128 fp32 SwiGLU values (one warp per row, 4 per lane) -> max |v| ->
+// scale -> e4m3 into act, the scale into act_scales, then count the task. Ping-pong tiles: the owner's 4 warps;
+// split tiles: both consumers' 8 warps over the joint staging, between two barriers of both (the second keeps
+// either consumer's next tile from rewriting staging the other still reads).
+__device__ __forceinline__ void store_activations_fp8(const Params& p, const GemmSmem& g, const ExpertTable& table,
+                                                      const Task& task, const float* staging, int consumer) {
+  const bool split = !ping_pong(task.tile_tokens, true);
+  const int lane = threadIdx.x & 31;
+  if (split) consumers_sync();
+  else consumer_sync(consumer);
+  const int warps = split ? kConsumers * 4 : 4;
+  const int warp = (split ? consumer * 4 : 0) + ((threadIdx.x >> 5) & 3);
+  const int64_t first = table.row_offset[task.expert] + task.first_row;
+  const int groups = p.intermediate_size / kFp8Group;
+  uint8_t* act = ws_ptr<uint8_t>(p, p.ws_off.act) + first * p.intermediate_size + task.feature_tile * kFp8Group;
+  float* act_scales = ws_ptr<float>(p, p.ws_off.act_scales) + first * groups + task.feature_tile;
+  for (int r = warp; r < task.rows; r += warps) {
+    const float4 v = *reinterpret_cast<const float4*>(staging + r * kFp8StagingStride + lane * 4);
+    float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
+#pragma unroll
+    for (int d = 16; d > 0; d >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, d));
+    const Fp8Scale s = fp8_scale(amax);
+    *reinterpret_cast<uint32_t*>(act + static_cast<int64_t>(r) * p.intermediate_size + lane * 4) =
+        quantize4(v.x, v.y, v.z, v.w, s.inverse);
+    if (lane == 0) act_scales[static_cast<int64_t>(r) * groups] = s.scale;
+  }
+  if (split) consumers_sync();
+  else consumer_sync(consumer);
+  if (threadIdx.x % 128 == 0 && (!split || consumer == 0)) {
+    __threadfence();  // every row of the task (ordered by the barrier) before the count: release
+    atomicAdd(gemm0_done<true>(p, task.expert, task.feature_tile), static_cast<uint32_t>(kConsumers));
+    mark_time(p, g.epoch, kRingGemm0EndNs);
   }
   __syncwarp();
   trace(kTraceConsumerCounted);
@@ -216,30 +283,38 @@ __device__ __forceinline__ void trace_mma_done(const PipeState& st) {
 // A consumer warpgroup's whole GEMM phase. Returns the bytes its tiles sent to other ranks (metrics).
 // Both warpgroups read every task; ping-pong tiles (decode widths) alternate between them in the order the
 // block takes them, split tiles are computed by both.
+template <bool kFp8>
 __device__ int64_t consume_tasks(const Params& p, const PeerTable& peers, bool any_proxied, const GemmSmem& g,
                                  const ExpertTable& table) {
   const int consumer = threadIdx.x / 128 - 1;
-  const TaskCounts counts = task_counts(p, table);
+  const TaskCounts counts = task_counts<kFp8>(p, table);
   PipeState st;
   TaskQueue queue;
   int64_t remote_bytes = 0;
   int ping_pong_tiles = 0;  // ping-pong tiles this block has taken so far
   int index;
   while ((index = next_task(p, g, queue, counts.total)) >= 0) {
-    const Task task = decode_task(table, p.num_local, counts, index);
-    const int k_steps = (task.gemm == 0 ? p.hidden_size : p.intermediate_size) / kTileK;
-    if (ping_pong(task.tile_tokens) && (ping_pong_tiles++ & 1) != consumer) {
-      skip_tile(st, task.tile_tokens, k_steps);
+    const Task task = decode_task<kFp8>(table, p.num_local, counts, index);
+    const int k_steps = (task.gemm == 0 ? p.hidden_size : p.intermediate_size) / tile_k(kFp8);
+    if (ping_pong(task.tile_tokens, kFp8) && (ping_pong_tiles++ & 1) != consumer) {
+      const int passes = kFp8 && task.gemm == 0 ? kFp8Gemm0Passes : 1;
+      skip_tile<kFp8>(st, task.tile_tokens, passes * k_steps);
       continue;
     }
     trace(kTraceConsumerTask, index);
     if (task.gemm == 0) {
-      const Staged staged = mma_tile_to_staging<true>(p, g, st, task.tile_tokens, k_steps);
-      trace_mma_done(st);
-      consumer_sync(consumer);
-      store_activations(p, g, table, task, staged, consumer);
+      if constexpr (kFp8) {
+        const float* staging = mma_fp8_gemm0_to_staging(p, g, st, task.tile_tokens, k_steps);
+        trace_mma_done(st);
+        store_activations_fp8(p, g, table, task, staging, consumer);
+      } else {
+        const Staged staged = mma_tile_to_staging<true>(p, g, st, task.tile_tokens, k_steps);
+        trace_mma_done(st);
+        consumer_sync(consumer);
+        store_activations(p, g, table, task, staged, consumer);
+      }
     } else {
-      const Staged staged = mma_tile_to_staging<false>(p, g, st, task.tile_tokens, k_steps);
+      const Staged staged = mma_tile_to_staging<false, kFp8>(p, g, st, task.tile_tokens, k_steps);
       trace_mma_done(st);
       remote_bytes += store_outputs(p, peers, any_proxied, g, task, staged, consumer);
     }

@@ -61,8 +61,14 @@ AMAX_FLOOR = 1e-4  # compared in fp32, i.e. fp32(1e-4), as DeepEP's and DeepGEMM
 
 
 def _quantize_groups(g: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rule on fp32 values ``g`` with their group maxima ``amax`` broadcast against them."""
-    scale = amax.clamp(min=AMAX_FLOOR) / E4M3_MAX
+    """The rule on fp32 values ``g`` with their group maxima ``amax`` broadcast against them.
+
+    The divisor is a tensor on ``amax``'s device, not a Python number: torch's CUDA division by a CPU
+    scalar multiplies by the scalar's reciprocal (one more rounding), which moves ~1 scale in 3 by an
+    ulp and with it the e4m3 ties the rule decides; tensor / tensor is IEEE division on both devices,
+    so the reference computes the same bits on a GPU as on the CPU (checked on an H200 against the
+    kernel's dispatch quantisation: scripts/fp8_internals.py)."""
+    scale = amax.clamp(min=AMAX_FLOOR) / torch.full_like(amax, E4M3_MAX)
     scaled = (g * (1.0 / scale)).clamp(-E4M3_MAX, E4M3_MAX)
     return scaled.to(E4M3), scale
 

@@ -67,14 +67,15 @@ class MegaKernelLayer:
         # freed) the ones that existed when this layer was built.
         return _buffers.current()
 
-    def forward(self, x, topk_ids, topk_weights, w13, w2, out=None) -> torch.Tensor:
+    def forward(self, x, topk_ids, topk_weights, w13, w2, out=None, w13_scale_inv=None, w2_scale_inv=None) -> torch.Tensor:
+        """bf16 weights, or block-fp8 ones (``float8_e4m3fn`` with their ``*_scale_inv``, read in place)."""
         check_status(self.buffers)
         # FlashMoE.forward ran flashmoe.validation.check_call (shapes against the spec, dtypes, devices, contiguity).
         if out is None:
             out = torch.empty_like(x)
         b = self.buffers
         self.ops.moe_forward(
-            x, topk_ids, topk_weights, w13, w2, self.expert_rank, self.expert_local, out, b.workspace, b.status,
+            x, topk_ids, topk_weights, w13, w2, w13_scale_inv, w2_scale_inv, self.expert_rank, self.expert_local, out, b.workspace, b.status,
             b.metrics_ring, b.metrics_totals, b.sym_ptr, b.capacity_list, self.runtime_list,
             torch.cuda.current_stream(self.device).cuda_stream,
         )
