@@ -3,6 +3,7 @@
     torchrun --nproc-per-node 4 benchmarks/layer_bench.py --max-minutes 8
     torchrun --nproc-per-node 4 benchmarks/layer_bench.py --mode serving --tokens 1,8,32,128
     torchrun --nproc-per-node 2 benchmarks/layer_bench.py --device cpu      # smoke run over gloo
+    python benchmarks/layer_bench.py --dtype fp8 --models dsv4-flash --per-rank-of-ep 8   # block-fp8 weights
 
 Variants (``--variants``): ``flashmoe`` (the megakernel; the reference backend where it cannot run,
 marked in ``backend``), ``all_to_all`` (NCCL all-to-all dispatch/combine around grouped GEMMs),
@@ -17,8 +18,15 @@ Modes (``--mode``): ``flushed`` times one layer call at a time with the L2 flush
 ``serving`` times a step of L consecutive layers with distinct weights and their own routing, as one
 CUDA graph (where the variant can be captured) with no flush: what a decode step sees. On a CPU the
 serving step runs its layers eagerly. Rates for the floor (GEMM, copy, link) are
-measured first, in the same run. Rows go to ``--out`` after every case, so a run cut short by
-``--max-minutes`` or a crash keeps what it measured; a short table is printed last.
+measured first, in the same run.
+
+Weights (``--dtype``): ``bf16``, or ``fp8`` (issue 15: block-fp8 e4m3 weights with one fp32 scale per
+128 x 128 block, bf16 activations): flashmoe's fp8 layer, the ``all_to_all``/``allgather_rs``/``compute_only``
+baselines with an fp8 expert stage (``--fp8-gemm``), checked against ``flashmoe.reference_fp8`` with the
+test suite's fp8 budgets, and a floor in fp8 bytes at the fp8 GEMM rate measured in the run.
+
+Rows go to ``--out`` after every case, so a run cut short by ``--max-minutes`` or a crash keeps what it
+measured; a short table is printed last.
 See benchmarks/README.md for the columns.
 """
 
@@ -38,11 +46,33 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from moe_bench import deepep_ll, serving, table
+from moe_bench import deepep_ll, serving, table, testsuite
 from moe_bench.baselines import EPLayout, ExpertRows, all_to_all_moe, allgather_rs_moe, compute_only
-from moe_bench.check import MAX_REL_TOL, REL_L2_TOL, compare, expert_rows_reference
+from moe_bench.check import (
+    MAX_REL_TOL,
+    REL_L2_TOL,
+    compare,
+    empty_stats,
+    error_stats,
+    expert_rows_reference,
+    expert_rows_reference_fp8,
+    fp8_budget,
+    fp8_within,
+    reduce_stats,
+)
 from moe_bench.floor import Floor, layer_floor, load_imbalance, rank_work
-from moe_bench.grouped_gemm import GEMM_CHOICES, GroupedSwiGLU, select_grouped_gemm
+from moe_bench.formats import BF16, FORMATS, FP8, Format
+from moe_bench.grouped_gemm import (
+    DEQUANT_MM_LOOP,
+    FP8_GEMM_CHOICES,
+    GEMM_CHOICES,
+    SCALED_MM_LOOP,
+    BlockFp8,
+    Fp8SwiGLU,
+    GroupedSwiGLU,
+    select_fp8_expert_gemm,
+    select_grouped_gemm,
+)
 from moe_bench.ranks import Ranks
 from moe_bench.rates import measure_rates
 from moe_bench.results import (
@@ -80,7 +110,21 @@ MODES = ("flushed", "serving")
 # Variants whose layer has no host synchronisation, so a serving step of them is one CUDA graph. The
 # all_to_all and allgather_rs baselines read split sizes on the host; their serving steps run eagerly.
 GRAPH_SAFE = ("flashmoe", "vllm_fused", "compute_only", *deepep_ll.VARIANTS)
-DTYPE = torch.bfloat16
+DTYPE = torch.bfloat16  # activations (and bf16 weights)
+# Under --dtype fp8, flashmoe, all_to_all, allgather_rs and compute_only run; these give unavailable rows
+# saying why.
+FP8_NOT_WIRED = {
+    "vllm_fused": "vllm_fused has no fp8 path in this benchmark (vLLM's block-fp8 Triton kernel rounds GEMM0 and "
+    "the SwiGLU to bf16 before quantising, another function than flashmoe.reference_fp8; not wired)",
+    **{
+        v: f"{v} has no fp8-weight path in this benchmark (its packed rows reach the GEMMs without host group "
+        "sizes, which the fp8 expert loop needs; not wired)"
+        for v in deepep_ll.VARIANTS
+        if v != deepep_ll.COMM
+    },
+    deepep_ll.COMM: "deepep_ll_comm moves no weights (DeepEP's bf16 dispatch and combine alone): its rows come from "
+    "a bf16 run",
+}
 # NVLink multicast is absent on our machines (kernel-design §5); NCCL, torch symmetric memory and
 # NVSHMEM must not try it. Explicit settings in the environment win.
 NO_MULTICAST_ENV = {
@@ -113,6 +157,19 @@ def parse_args(argv=None) -> argparse.Namespace:
         help=f"tokens per rank, comma list; default {','.join(map(str, GPU_DEFAULT_TOKENS))} (cpu: 1,8,32)",
     )
     p.add_argument("--routing", default=",".join(ROUTINGS), help="uniform and/or zipf")
+    p.add_argument(
+        "--dtype",
+        choices=tuple(FORMATS),
+        default="bf16",
+        help="expert weights: bf16, or fp8 (block-fp8 e4m3 with 128x128 fp32 scales, bf16 activations; issue 15)",
+    )
+    p.add_argument(
+        "--fp8-gemm",
+        choices=FP8_GEMM_CHOICES,
+        default="auto",
+        help="--dtype fp8: the baselines' expert GEMMs (auto: torch._scaled_mm with block scales where it runs, "
+        "else weights dequantised to bf16)",
+    )
     p.add_argument("--variants", default=",".join(VARIANTS), help="subset of " + ",".join(VARIANTS))
     p.add_argument("--zipf-s", type=float, default=1.0, help="Zipf exponent of expert popularity")
     p.add_argument(
@@ -219,6 +276,11 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"{name}: {bad or 'empty'} not in {list(allowed)}")
     if any(t <= 0 for t in args.tokens):
         p.error("--tokens must be positive")
+    if args.dtype == "fp8":
+        block = FP8.weight_block
+        odd = [m for m in args.models if MODELS[m].hidden % block or MODELS[m].intermediate % block]
+        if odd:
+            p.error(f"--dtype fp8: {odd} have H or I not a multiple of {block} (the fp8 block)")
     if (args.layers is not None and args.layers < 1) or args.min_layers < 1:
         p.error("--layers and --min-layers must be at least 1")
     if args.per_rank_of_ep is not None and args.per_rank_of_ep < 1:
@@ -257,8 +319,12 @@ def init_distributed(device_kind: str, timeout_s: float):
     return dist.group.WORLD, cpu_group, device
 
 
-def per_rank_weight_bytes(shape: ModelShape, world: int) -> int:
-    return math.ceil(shape.num_experts / world) * shape.expert_weight_bytes()
+def per_rank_weight_bytes(shape: ModelShape, world: int, fmt: Format = BF16) -> int:
+    return math.ceil(shape.num_experts / world) * shape.expert_weight_bytes(fmt)
+
+
+def weight_format(args) -> Format:
+    return FORMATS[getattr(args, "dtype", "bf16")]
 
 
 def serving_layers(shape: ModelShape, ranks: Ranks, args) -> int:
@@ -270,7 +336,9 @@ def serving_layers(shape: ModelShape, ranks: Ranks, args) -> int:
     if ranks.device.type != "cuda":
         return serving.CPU_LAYERS
     return serving.layers_for(
-        per_rank_weight_bytes(shape, ranks.world), serving.l2_bytes(ranks.device), args.min_layers
+        per_rank_weight_bytes(shape, ranks.world, weight_format(args)),
+        serving.l2_bytes(ranks.device),
+        args.min_layers,
     )
 
 
@@ -287,7 +355,8 @@ def fit_experts(shape: ModelShape, ranks: Ranks, args) -> tuple[ModelShape, str,
     budget = ranks.min(torch.cuda.mem_get_info(ranks.device)[0] * WEIGHT_MEMORY_FRACTION)
     E = shape.num_experts
     fitted = shape
-    while serving_layers(fitted, ranks, args) * per_rank_weight_bytes(fitted, ranks.world) > budget and (
+    fmt = weight_format(args)
+    while serving_layers(fitted, ranks, args) * per_rank_weight_bytes(fitted, ranks.world, fmt) > budget and (
         E // 2 >= max(ranks.world, shape.top_k)
     ):
         E //= 2
@@ -305,22 +374,41 @@ class FlashMoELayers:
     errors: dict = field(default_factory=dict)
 
 
-def reserve_flashmoe_buffers(shapes: dict[str, ModelShape], max_tokens: int, cpu_group, ranks: Ranks) -> None:
-    """Size flashmoe's process-wide symmetric buffers once, for the union of the selected layers: the
-    NVSHMEM heap is sized at the first allocation and cannot grow past it. Collective; raises on failure."""
+def layer_spec(shape: ModelShape, max_tokens: int, fmt: Format = BF16):
+    """flashmoe's ``MoELayerSpec`` of ``shape``; for fp8, the contract of issue 15: ``weight_dtype =
+    float8_e4m3fn`` (w13/w2 e4m3 with ``*_scale_inv`` per 128 x 128 block, bf16 activations)."""
+    import dataclasses
+
     from flashmoe import MoELayerSpec
+
+    dims = (shape.num_experts, shape.top_k, shape.hidden, shape.intermediate, max_tokens, DTYPE)
+    if fmt is BF16:
+        return MoELayerSpec(*dims)
+    if "weight_dtype" not in {f.name for f in dataclasses.fields(MoELayerSpec)}:
+        raise RuntimeError(
+            "this flashmoe has no fp8 layer yet (MoELayerSpec has no weight_dtype: the fp8 kernel of issue 15 "
+            "is not in this tree)"
+        )
+    return MoELayerSpec(*dims, weight_dtype=torch.float8_e4m3fn)
+
+
+def reserve_flashmoe_buffers(
+    shapes: dict[str, ModelShape], max_tokens: int, cpu_group, ranks: Ranks, fmt: Format = BF16
+) -> None:
+    """Size flashmoe's process-wide symmetric buffers once, for the union of the selected layers: the
+    NVSHMEM heap is sized at the first allocation and cannot grow past it. Collective; raises on failure.
+    The sizes are the bf16 layer's: fp8 dispatch rows (H + H/32 bytes) are smaller than bf16 ones (2H)."""
     from flashmoe.backend import MEGAKERNEL, select_backend
 
     def largest(attr: str) -> int:
         return max(getattr(s, attr) for s in shapes.values())
 
-    union = MoELayerSpec(
-        largest("num_experts"),
-        largest("top_k"),
-        largest("hidden"),
-        largest("intermediate"),
+    union = layer_spec(
+        ModelShape(
+            "union", largest("hidden"), largest("intermediate"), largest("num_experts"), largest("top_k")
+        ),
         max_tokens,
-        DTYPE,
+        fmt,
     )
     if select_backend(union, ranks.device, ranks.world).name != MEGAKERNEL:
         return  # each layer says why when it is built
@@ -346,6 +434,7 @@ def build_flashmoe_layers(
     cpu_group,
     ranks: Ranks,
     log,
+    fmt: Format = BF16,
 ) -> FlashMoELayers:
     """``num_layers[model]`` layers per model (one FlashMoE per layer, as an engine holds them), sized
     for the largest token count, after the buffers are reserved for all of them; built largest first,
@@ -353,10 +442,10 @@ def build_flashmoe_layers(
     built = FlashMoELayers()
     err = None
     try:
-        from flashmoe import FlashMoE, MoELayerSpec
+        from flashmoe import FlashMoE
 
         if ranks.device.type == "cuda":
-            reserve_flashmoe_buffers(shapes, max_tokens, cpu_group, ranks)
+            reserve_flashmoe_buffers(shapes, max_tokens, cpu_group, ranks, fmt)
     except Exception as e:  # keep measuring the baselines
         err = f"{type(e).__name__}: {e}"
     if ranks.any(err is not None):
@@ -373,7 +462,7 @@ def build_flashmoe_layers(
         s = shapes[name]
         err = None
         try:
-            spec = MoELayerSpec(s.num_experts, s.top_k, s.hidden, s.intermediate, max_tokens, DTYPE)
+            spec = layer_spec(s, max_tokens, fmt)
             layers = [
                 FlashMoE(
                     spec,
@@ -459,8 +548,9 @@ class ModelState:
     note: str
     placement: object
     ep: EPLayout
-    w13: list[torch.Tensor]  # per layer of distinct weights; flushed mode uses layer 0
-    w2: list[torch.Tensor]
+    w13: list  # per layer of distinct weights (bf16 tensors, or BlockFp8); flushed mode uses layer 0
+    w2: list
+    fmt: Format = BF16
 
 
 def make_model(
@@ -472,6 +562,7 @@ def make_model(
     ranks: Ranks,
     seed: int,
     num_layers: int = 1,
+    fmt: Format = BF16,
 ) -> ModelState:
     # One generator for all layers: layer 0 is the same weights whatever the layer count.
     gen = torch.Generator(device=ranks.device).manual_seed(case_seed("weights", shape.name, ranks.rank, seed))
@@ -479,6 +570,16 @@ def make_model(
     hidden, inter = shape.hidden, shape.intermediate
     w13, w2 = [], []
     for _ in range(num_layers):
+        if fmt is FP8:
+            # The test suite's block-fp8 draw (tests/moe_inputs.py): Gaussian weights / sqrt(fan-in), each
+            # 128 x 128 block with its own magnitude (a scale read from the wrong block shows in the check),
+            # quantised by flashmoe.fp8.quantize_weight_blocks one expert at a time, on the device.
+            q13, s13, q2, s2 = testsuite.moe_inputs().random_fp8_expert_weights(
+                n, hidden, inter, gen, ranks.device
+            )
+            w13.append(BlockFp8(q13, s13))
+            w2.append(BlockFp8(q2, s2))
+            continue
         # Scaled so activations stay O(1) through both GEMMs.
         w13.append(
             torch.randn(n, 2 * inter, hidden, generator=gen, device=ranks.device, dtype=DTYPE).mul_(
@@ -496,6 +597,7 @@ def make_model(
         EPLayout.from_placement(placement, group, ranks.device),
         w13,
         w2,
+        fmt,
     )
 
 
@@ -522,7 +624,7 @@ class Context:
     args: argparse.Namespace
     ranks: Ranks
     rates: object
-    swiglu: GroupedSwiGLU
+    swiglu: GroupedSwiGLU | Fp8SwiGLU  # the baselines' expert stage (Fp8SwiGLU with --dtype fp8)
     flush: L2Flusher
     policy: TimingPolicy
     flashmoe: FlashMoELayers
@@ -562,10 +664,13 @@ def make_inputs(ctx: Context, m: ModelState, tokens: int, routing: str, layers: 
             )
             gen = torch.Generator(device=dev).manual_seed(seed)
             ids, weights = make_routing(tokens, s.num_experts, s.top_k, routing, seed, dev, ctx.args.zipf_s)
-            x = torch.randn(tokens, s.hidden, generator=gen, device=dev, dtype=DTYPE)
+            if m.fmt is FP8:  # a magnitude per (token, 128-group), as the suite draws fp8 inputs
+                x = testsuite.moe_inputs().random_grouped_hidden(tokens, s.hidden, gen, dev)
+            else:
+                x = torch.randn(tokens, s.hidden, generator=gen, device=dev, dtype=DTYPE)
             ids_all = ranks.gather_tensor(ids)  # [world, T, k]: the floor needs every rank's routing
             works = rank_work(ids_all, m.placement.expert_rank)
-            floors.append(layer_floor(works, s.hidden, s.intermediate, ctx.rates.rates))
+            floors.append(layer_floor(works, s.hidden, s.intermediate, ctx.rates.rates, m.fmt))
             imbalance.append(load_imbalance(works))
             gemm_rows.append(max(w.expert_rows for w in works))
             recv_rows = None
@@ -590,6 +695,8 @@ def layer_fn(ctx: Context, m: ModelState, variant: str, tokens: int | None = Non
     (per rank, this case's) sizes the deepep_ll dispatch; its buffer is cleaned here when the layout changes,
     so this is collective for those variants."""
     sw, ep = ctx.swiglu, m.ep
+    if m.fmt is FP8 and variant in FP8_NOT_WIRED:
+        return None, None, FP8_NOT_WIRED[variant]
     if variant == "flashmoe":
         layers = ctx.flashmoe.layers.get(m.shape.name)
         if layers is None:
@@ -602,8 +709,25 @@ def layer_fn(ctx: Context, m: ModelState, variant: str, tokens: int | None = Non
                 f"backend {backend}: {layers[0].reason}",
             )  # timing the reference on a GPU says nothing
 
-        def flashmoe_layer(i, a):
-            return layers[i](a.x, a.ids, a.weights, m.w13[i], m.w2[i], out=a.out)
+        if m.fmt is FP8:  # the fp8 contract of issue 15: e4m3 weights in place, their block scales by keyword
+
+            def flashmoe_layer(i, a):
+                w13, w2 = m.w13[i], m.w2[i]
+                return layers[i].forward(
+                    a.x,
+                    a.ids,
+                    a.weights,
+                    w13.q,
+                    w2.q,
+                    out=a.out,
+                    w13_scale_inv=w13.scale_inv,
+                    w2_scale_inv=w2.scale_inv,
+                )
+
+        else:
+
+            def flashmoe_layer(i, a):
+                return layers[i](a.x, a.ids, a.weights, m.w13[i], m.w2[i], out=a.out)
 
         return flashmoe_layer, backend, None
     if variant == "all_to_all":
@@ -650,27 +774,135 @@ def layer_fn(ctx: Context, m: ModelState, variant: str, tokens: int | None = Non
     raise ValueError(variant)
 
 
-def check_step(
-    variant: str, outputs: list, inputs: InputSet, m: ModelState, references, group=None
-) -> tuple[float, float, bool]:
-    """(rel_l2, max_rel, ok) of the step's worst layer against that layer's own reference. Collective over
-    ``group`` for deepep_ll_fp8 (its reference runs on the fp8-rounded input)."""
-    rel_l2, max_rel, ok = 0.0, 0.0, True
-    for i, (out, a) in enumerate(zip(outputs, inputs.layers, strict=True)):
+# What each kind of check compares a variant's output with (rows' ``check_against``). The bf16 kinds use
+# moe_bench.check's tolerances per rank; the fp8-budget kinds tests/tolerances.py's over all ranks' rows.
+CHECKS = {
+    "reference": "flashmoe.reference (bf16 check)",
+    "rows": "per-expert fp32 loop (bf16 check)",
+    "comm": "x * sum_j w (bf16 check)",
+    "deepep_fp8_input": "flashmoe.reference on DeepEP's fp8-rounded input (bf16 check)",
+    "reference_fp8": "flashmoe.reference_fp8 (fp8 budgets)",
+    "rows_fp8": "flashmoe.reference_fp8 per expert row (fp8 budgets)",
+    "reference_dequant": "flashmoe.reference on the bf16-dequantised weights (bf16 check)",
+    "rows_dequant": "per-expert fp32 loop on the bf16-dequantised weights (bf16 check)",
+}
+FP8_BUDGET_CHECKS = ("reference_fp8", "rows_fp8")
+LAYER_CHECKS = ("reference", "reference_fp8", "reference_dequant")  # computed once per case in run_mode
+
+
+def check_kind(variant: str, fmt: Format = BF16, expert_gemm: str | None = None) -> str:
+    """Which reference ``variant``'s output is checked against (a key of :data:`CHECKS`). ``expert_gemm``:
+    the fp8 baselines' expert stage; one that dequantises to bf16 computes the bf16 layer on those weights."""
+    if fmt is FP8:
+        fp8_function = variant == "flashmoe" or expert_gemm == SCALED_MM_LOOP
         if variant == "compute_only":
+            return "rows_fp8" if fp8_function else "rows_dequant"
+        return "reference_fp8" if fp8_function else "reference_dequant"
+    if variant == "compute_only":
+        return "rows"
+    if variant == deepep_ll.COMM:
+        return "comm"
+    if variant == deepep_ll.FP8:
+        return "deepep_fp8_input"
+    return "reference"
+
+
+@dataclass
+class Check:
+    """One rank's check of a step (its worst layer for the bf16 check). For the fp8-budget kinds ``stats``
+    holds the step's summed errors and the verdict is taken on every rank's together (run_variant)."""
+
+    rel_l2: float
+    max_rel: float
+    ok: bool
+    kind: str
+    stats: object = None  # tests/tolerances.py ErrorStats (fp8-budget kinds)
+
+
+def layer_references(kind: str, m: ModelState, inputs: InputSet, group, world: int) -> list[torch.Tensor]:
+    """Each layer's reference output of ``kind`` (one of :data:`LAYER_CHECKS`); collective at world > 1."""
+    refs = []
+    for i, a in enumerate(inputs.layers):
+        w13, w2 = m.w13[i], m.w2[i]
+        if kind == "reference_fp8":
+            from flashmoe.reference_fp8 import moe_reference_distributed_fp8, moe_reference_fp8
+
+            args = (a.x, a.ids, a.weights, w13.q, w13.scale_inv, w2.q, w2.scale_inv, m.placement)
+            ref = moe_reference_fp8(*args) if world == 1 else moe_reference_distributed_fp8(*args, group)
+        else:
+            from flashmoe.reference import moe_reference_distributed
+
+            if kind == "reference_dequant":
+                w13, w2 = w13.dequantized(DTYPE), w2.dequantized(DTYPE)
+            ref = moe_reference_distributed(a.x, a.ids, a.weights, w13, w2, m.placement, group)
+        refs.append(ref)
+    return refs
+
+
+def check_step(
+    variant: str,
+    outputs: list,
+    inputs: InputSet,
+    m: ModelState,
+    references,
+    group=None,
+    kind: str | None = None,
+) -> Check:
+    """The step's outputs against each layer's own reference of ``kind`` (default: :func:`check_kind` of the
+    variant and the model's format). ``references``: {kind: per-layer outputs} for :data:`LAYER_CHECKS`.
+    Collective over ``group`` for deepep_ll_fp8 (its reference runs on the fp8-rounded input)."""
+    kind = kind or check_kind(variant, m.fmt)
+    rel_l2, max_rel, ok = 0.0, 0.0, True
+    stats = empty_stats() if kind in FP8_BUDGET_CHECKS else None
+    for i, (out, a) in enumerate(zip(outputs, inputs.layers, strict=True)):
+        if kind == "rows":
             ref = expert_rows_reference(a.expert_rows.x, a.expert_rows.sizes, m.w13[i], m.w2[i])
-        elif variant == deepep_ll.COMM:
+        elif kind == "rows_fp8":
+            ref = expert_rows_reference_fp8(a.expert_rows.x, a.expert_rows.sizes, m.w13[i], m.w2[i])
+        elif kind == "rows_dequant":
+            ref = expert_rows_reference(
+                a.expert_rows.x, a.expert_rows.sizes, m.w13[i].as_bf16(), m.w2[i].as_bf16()
+            )
+        elif kind == "comm":
             ref = deepep_ll.comm_reference(a.x, a.ids, a.weights)
-        elif variant == deepep_ll.FP8:
+        elif kind == "deepep_fp8_input":
             from flashmoe.reference import moe_reference_distributed
 
             x8 = deepep_ll.fp8_roundtrip(a.x)
             ref = moe_reference_distributed(x8, a.ids, a.weights, m.w13[i], m.w2[i], m.placement, group)
         else:
-            ref = references[i]
+            ref = references[kind][i]
         result = compare(out, ref)
         rel_l2, max_rel, ok = max(rel_l2, result.rel_l2), max(max_rel, result.max_rel), ok and result.ok
-    return rel_l2, max_rel, ok
+        if stats is not None:
+            stats = stats.merge(error_stats(out, ref))
+    return Check(rel_l2, max_rel, ok, kind, stats)
+
+
+def judge(checked: Check, row: dict, m: ModelState, ranks: Ranks) -> str | None:
+    """Records the check's errors in ``row``; None if the output passed, else why not. Collective: the
+    fp8-budget kinds are judged on every rank's rows together (as the test suite does), the bf16 check
+    on each rank's own (any rank failing fails the row)."""
+    row["check_against"] = CHECKS[checked.kind]
+    if checked.stats is not None:
+        stats = reduce_stats(checked.stats, ranks.group, ranks.device)
+        row.update(
+            check_rel_l2=stats.rel_fro,
+            check_max_rel=ranks.max(checked.max_rel),
+            check_max_row_rel=stats.max_row_rel,
+        )
+        if fp8_within(stats, m.shape.intermediate):
+            return None
+        rel_fro, row_rel = fp8_budget(m.shape.intermediate)
+        return (
+            f"output differs from {CHECKS[checked.kind]}: rel_fro {stats.rel_fro:.3g} (budget {rel_fro:.3g}), "
+            f"worst row {stats.max_row_rel:.3g} (budget {row_rel:.3g}), non-finite {stats.nonfinite}, "
+            f"non-zero in all-skipped rows {stats.nonzero_in_zero_rows}"
+        )
+    row.update(check_rel_l2=ranks.max(checked.rel_l2), check_max_rel=ranks.max(checked.max_rel))
+    if ranks.any(not checked.ok):
+        return f"output differs from {CHECKS[checked.kind]} (tolerance rel_l2 {REL_L2_TOL}, max_rel {MAX_REL_TOL})"
+    return None
 
 
 def not_run(row: dict, status: str, reason: str) -> dict:
@@ -705,20 +937,16 @@ def run_variant(
             calls = [lambda s=s: step(s) for s in range(len(sets))]
             first = calls[0]()
         if not ctx.args.no_check:
-            checked = check_step(variant, first, sets[0], m, references, ranks.group)
+            kind = check_kind(variant, m.fmt, ctx.swiglu.impl)
+            checked = check_step(variant, first, sets[0], m, references, ranks.group, kind)
     except Exception as e:
         err = f"{type(e).__name__}: {e}"[:500]
     if ranks.any(err is not None):
         return not_run(row, "error", err or "raised on another rank")
     if checked is not None:
-        rel_l2, max_rel, ok = checked
-        row.update(check_rel_l2=ranks.max(rel_l2), check_max_rel=ranks.max(max_rel))
-        if ranks.any(not ok):
-            return not_run(
-                row,
-                "wrong",
-                f"output differs from the reference (tolerance rel_l2 {REL_L2_TOL}, max_rel {MAX_REL_TOL})",
-            )
+        wrong = judge(checked, row, m, ranks)
+        if wrong:
+            return not_run(row, "wrong", wrong)
 
     def call(s: int):
         return calls[s]()
@@ -735,6 +963,10 @@ def run_variant(
     notes = [base["note"]] if base["note"] else []
     if backend == "reference":
         notes.append("flashmoe ran its reference backend (no megakernel on this device)")
+    if m.fmt is FP8 and variant != "flashmoe" and backend == DEQUANT_MM_LOOP:
+        notes.append(
+            "no fp8 GEMM: weights dequantised to bf16 on every call, bf16 GEMMs, unquantised activations"
+        )
     if mode == "serving" and ranks.device.type == "cuda" and not graph:
         notes.append("host sync inside the layer: not graph-capturable, the serving step ran eagerly")
     # deepep_ll_comm runs no GEMM: no TFLOP/s for it.
@@ -801,14 +1033,14 @@ def run_mode(ctx: Context, m: ModelState, tokens: int, routing: str, mode: str) 
     s, ranks = m.shape, ctx.ranks
     num_layers = len(m.w13) if mode == "serving" else 1
     case = make_inputs(ctx, m, tokens, routing, num_layers)
-    references = None
-    if not ctx.args.no_check and any(v != "compute_only" for v in ctx.args.variants):
-        from flashmoe.reference import moe_reference_distributed
-
-        references = [
-            moe_reference_distributed(a.x, a.ids, a.weights, m.w13[i], m.w2[i], m.placement, ranks.group)
-            for i, a in enumerate(case.sets[0].layers)
-        ]
+    references = {}
+    if not ctx.args.no_check:
+        # The whole-layer references the selected variants are checked against, computed once per case
+        # (collectives, on every rank in the same order, before any variant runs).
+        runnable = [v for v in ctx.args.variants if not (m.fmt is FP8 and v in FP8_NOT_WIRED)]
+        for kind in dict.fromkeys(check_kind(v, m.fmt, ctx.swiglu.impl) for v in runnable):
+            if kind in LAYER_CHECKS:
+                references[kind] = layer_references(kind, m, case.sets[0], ranks.group, ranks.world)
     floor = case.floor
     base = dict(
         model=s.name,
@@ -817,6 +1049,7 @@ def run_mode(ctx: Context, m: ModelState, tokens: int, routing: str, mode: str) 
         num_experts=s.num_experts,
         model_num_experts=m.model_num_experts,
         top_k=s.top_k,
+        dtype=m.fmt.name,
         world_size=ranks.world,
         tokens_per_rank=tokens,
         routing=routing,
@@ -866,16 +1099,28 @@ def main(argv=None) -> int:
         if lead:
             print(f"[{time.monotonic() - t_start:7.1f}s] {msg}", flush=True)
 
+    fmt = weight_format(args)
     gemm_impl, gemm_note = select_grouped_gemm(args.grouped_gemm, device)
     log(f"grouped GEMM: {gemm_impl} ({gemm_note})")
-    measured = measure_rates(ranks)
+    swiglu = GroupedSwiGLU(gemm_impl)
+    fp8_gemm = fp8_gemm_note = None
+    if fmt is FP8:
+        fp8_gemm, fp8_gemm_note = select_fp8_expert_gemm(args.fp8_gemm, device)
+        if ranks.any(fp8_gemm != SCALED_MM_LOOP):  # every rank runs the same expert stage
+            if fp8_gemm == SCALED_MM_LOOP:
+                fp8_gemm, fp8_gemm_note = DEQUANT_MM_LOOP, "torch._scaled_mm failed its probe on another rank"
+        swiglu = Fp8SwiGLU(fp8_gemm)
+        log(f"fp8 expert GEMM of the baselines: {fp8_gemm} ({fp8_gemm_note})")
+    measured = measure_rates(ranks, fp8=fmt is FP8)
     r = measured.rates
     log(
-        f"rates: GEMM {r.gemm_flops / 1e12:.1f} TFLOP/s, copy {r.copy_bytes / 1e9:.0f} GB/s, link {r.link_bytes / 1e9:.0f} GB/s ({measured.link_method})"
+        f"rates: GEMM {r.gemm_flops / 1e12:.1f} TFLOP/s"
+        + (f", fp8 GEMM {r.fp8_gemm_flops / 1e12:.1f} TFLOP/s" if fmt is FP8 else "")
+        + f", copy {r.copy_bytes / 1e9:.0f} GB/s, link {r.link_bytes / 1e9:.0f} GB/s ({measured.link_method})"
     )
 
     machine = machine_info(device, ranks.world)
-    out_path = args.out or default_out_path(REPO / "benchmarks" / "results", machine["tag"])
+    out_path = args.out or default_out_path(REPO / "benchmarks" / "results", machine["tag"], dtype=fmt.name)
     doc = {
         "schema": SCHEMA,
         "created": utc_now(),
@@ -888,7 +1133,19 @@ def main(argv=None) -> int:
         "env": run_env(),
         "config": {
             "world_size": ranks.world,
-            "dtype": "bfloat16",
+            "dtype": "bfloat16" if fmt is BF16 else "fp8",
+            "fp8": None
+            if fmt is BF16
+            else {
+                "weights": "float8_e4m3fn w13/w2 with one fp32 scale_inv per 128x128 block (flashmoe.fp8); "
+                "generated on the device by tests/moe_inputs.random_fp8_expert_weights",
+                "activations": "bfloat16 in and out; the fp8 layer quantises per token and 128-group",
+                "expert_gemm": fp8_gemm,
+                "expert_gemm_note": fp8_gemm_note,
+                "not_wired": sorted(v for v in FP8_NOT_WIRED if v in args.variants),
+                "floor_bytes": "weights 1 B/element + fp32 block scales; dispatch rows H·1 B + one fp32 scale per "
+                "128-group; combine rows H·2 B (bf16); GEMM at rates.fp8_gemm_tflops",
+            },
             "variants": args.variants,
             "modes": args.mode,
             "models": args.models,
@@ -912,7 +1169,19 @@ def main(argv=None) -> int:
             "serving": None,
             "check": None
             if args.no_check
-            else {"rel_l2_tol": REL_L2_TOL, "max_rel_tol": MAX_REL_TOL, "on": "input set 0 of each case"},
+            else {
+                "rel_l2_tol": REL_L2_TOL,
+                "max_rel_tol": MAX_REL_TOL,
+                "on": "input set 0 of each case",
+                "fp8_budgets": None
+                if fmt is BF16
+                else {
+                    "rel_fro": fp8_budget(1)[0],
+                    "row_rel": "max(2.5 U, 1.25 / sqrt(I)) (tests/tolerances.py fp8_row_rel)",
+                    "source": "tests/tolerances.py FP8_SAME_ROUNDING_REL_FRO, fp8_row_rel: a kernel against "
+                    "the same-rounding fp8 reference, judged over all ranks' rows",
+                },
+            },
             "floor": "max(gemm, weights, link) per rank, maxed over ranks; link with dispatch dedup (one row per token and remote rank); floor_nodedup counts one row per token and remote expert; x_floor uses the dedup floor",
             "max_minutes": args.max_minutes,
             "warmup_case": not args.no_warmup_case,
@@ -944,15 +1213,15 @@ def main(argv=None) -> int:
         }
         log(f"serving: layers per step {num_layers} (L2 {serving.l2_bytes(device) / 2**20:.0f} MiB)")
     deepep_sizing = None
-    if any(v in deepep_ll.VARIANTS for v in args.variants):
+    if any(v in deepep_ll.VARIANTS for v in args.variants) and fmt is BF16:
         deepep_sizing = prepare_deepep(args, shapes, ranks, log)
     flashmoe_layers = FlashMoELayers()
     if "flashmoe" in args.variants:
         flashmoe_layers = build_flashmoe_layers(
-            shapes, placements, num_layers, max(args.tokens), group, cpu_group, ranks, log
+            shapes, placements, num_layers, max(args.tokens), group, cpu_group, ranks, log, fmt
         )
     vllm = (None, None, None)
-    if "vllm_fused" in args.variants:
+    if "vllm_fused" in args.variants and fmt is BF16:
         vllm = load_fused_experts(device)
         log(f"vllm_fused: {vllm[2] or f'vllm {vllm[1]} fused_experts'}")
     deepep = (None, None, "not selected")
@@ -969,7 +1238,7 @@ def main(argv=None) -> int:
         args,
         ranks,
         measured,
-        GroupedSwiGLU(gemm_impl),
+        swiglu,
         L2Flusher(device, enabled=not args.no_l2_flush),
         TimingPolicy(args.warmup, args.min_iters, args.max_iters, args.target_ms / 1e3),
         flashmoe_layers,
@@ -993,6 +1262,7 @@ def main(argv=None) -> int:
             ranks,
             args.seed,
             num_layers[name],
+            fmt,
         )
         if name == args.models[0] and not args.no_warmup_case:
             # The first case of a run measured 1.5-2x slow and noisy (2026-11-21, 4xH200, T=1): run
@@ -1022,7 +1292,7 @@ def main(argv=None) -> int:
     save()
     if lead:
         print()
-        print(table.text_table(doc["rows"]))
+        print(table.text_table(doc["rows"], expert_gemm=fp8_gemm))
         print(
             f"\n{len(doc['rows'])} rows -> {out_path}" + (f"  (stopped: {stopped})" if stopped else ""),
             flush=True,

@@ -61,7 +61,8 @@ def merge_runs(docs: list[dict]) -> list[dict]:
         rows: dict[tuple, dict] = {}
         for d in runs:
             for r in d["rows"]:
-                rows[(r["model"], r["routing"], r["tokens_per_rank"], r["variant"], table.mode_of(r))] = r
+                key = (r["model"], r["routing"], r["tokens_per_rank"], r["variant"], table.mode_of(r))
+                rows[(*key, table.dtype_of(r))] = r
         models = list(dict.fromkeys(r["model"] for d in runs for r in d["rows"]))
         ordered = sorted(
             rows.values(), key=lambda r: (models.index(r["model"]), r["tokens_per_rank"], r["routing"])
@@ -85,9 +86,13 @@ def plot_file(doc: dict, stem: str, out_dir: Path) -> list[Path]:
     matplotlib.use("Agg")
     written = []
     for mode in table.modes(doc["rows"]):
-        rows = [r for r in doc["rows"] if table.mode_of(r) == mode]
-        # Flushed plots keep their names from before serving mode existed.
-        written += _plot_mode(doc, rows, f"{stem}-serving" if mode == "serving" else stem, out_dir, mode)
+        for dtype in table.dtypes(doc["rows"]):
+            rows = [r for r in doc["rows"] if table.mode_of(r) == mode and table.dtype_of(r) == dtype]
+            if not rows:
+                continue
+            # Flushed bf16 plots keep their names from before serving mode and --dtype existed.
+            name = stem + ("-serving" if mode == "serving" else "") + ("" if dtype == "bf16" else f"-{dtype}")
+            written += _plot_mode(doc, rows, name, out_dir, mode)
     return written
 
 
@@ -136,6 +141,8 @@ def _plot_mode(doc: dict, rows: list[dict], stem: str, out_dir: Path, mode: str)
             ax.grid(True, which="both", alpha=0.3)
         axes[0][0].legend(fontsize=8)
         what = "serving: per layer of a CUDA-graphed multi-layer step" if mode == "serving" else "L2 flushed"
+        dtype = table.dtype_of(rows[0])
+        what += "" if dtype == "bf16" else f" · {dtype} weights"
         fig.suptitle(f"{_title(doc)} · {routing} routing · {what}", fontsize=10)
         fig.tight_layout()
         path = out_dir / f"{stem}-{routing}.png"
@@ -179,12 +186,42 @@ def readme_section(entries: list[tuple[dict, list[Path]]], readme: Path) -> str:
             if compute:
                 parts.append(f"\nExpert GEMM throughput at world 1 ({mode}; 6·rows·H·I flops per layer):\n")
                 parts.append(compute)
+        parts += _fp8_section(doc)
         overhead = table.metrics_overhead_lines(doc["rows"])
         if overhead:
             parts.append("\nIn-kernel metrics on vs off (interleaved rounds, `--metrics-overhead`):\n")
             parts += overhead
     parts.append(END)
     return "\n".join(parts)
+
+
+FP8_TOKENS = (8, 128, 1024)  # the anchor's token counts (DeepGEMM PR #383)
+
+
+def _fp8_section(doc: dict) -> list[str]:
+    """Tables of the fp8 rows (``--dtype fp8``), with the anchor column where a model has one."""
+    rows = [r for r in doc["rows"] if table.dtype_of(r) == "fp8"]
+    if not rows:
+        return []
+    fp8 = doc["config"].get("fp8") or {}
+    r = doc["rates"]
+    parts = [
+        f"\n**fp8 weights** (block-fp8 e4m3, 128x128 fp32 scales; bf16 activations). fp8 GEMM rate measured in "
+        f"the run: {r['fp8_gemm_tflops']:.0f} TFLOP/s. Baselines' expert GEMM: {fp8.get('expert_gemm')}.\n"
+    ]
+    tokens = sorted({x["tokens_per_rank"] for x in rows})
+    shown = tuple(t for t in tokens if t in FP8_TOKENS) or tuple(tokens[:3])
+    for mode in table.modes(rows):
+        md = table.markdown_table(rows, tokens=shown, mode=mode, dtype="fp8")
+        if md:
+            parts.append(f"\n{mode}, fp8 (p50):\n")
+            parts.append(md)
+            parts += ["", *table.anchor_lines([x["model"] for x in rows], "fp8")]
+        compute = table.compute_markdown_table(rows, mode, fp8.get("expert_gemm") or "compute_only", "fp8")
+        if compute:
+            parts.append(f"\nExpert GEMM throughput at world 1 ({mode}, fp8; 6·rows·H·I flops per layer):\n")
+            parts.append(compute)
+    return parts
 
 
 def update_readme(readme: Path, section: str) -> None:

@@ -61,22 +61,26 @@ def _inputs(m, tokens, gen) -> layer_bench.InputSet:
 def test_serving_check_catches_a_layer_run_with_another_layers_weights(gen):
     m = _model(3, gen)
     inputs = _inputs(m, 8, gen)
-    refs = [moe_reference(a.x, a.ids, a.weights, m.w13[i], m.w2[i]) for i, a in enumerate(inputs.layers)]
+    refs = {
+        "reference": [
+            moe_reference(a.x, a.ids, a.weights, m.w13[i], m.w2[i]) for i, a in enumerate(inputs.layers)
+        ]
+    }
     right = [moe_reference(a.x, a.ids, a.weights, m.w13[i], m.w2[i]) for i, a in enumerate(inputs.layers)]
-    assert layer_bench.check_step("flashmoe", right, inputs, m, refs)[2]
+    assert layer_bench.check_step("flashmoe", right, inputs, m, refs).ok
     wrong = list(right)
     a = inputs.layers[2]
     wrong[2] = moe_reference(
         a.x, a.ids, a.weights, m.w13[0], m.w2[0]
     )  # the last layer reads layer 0's weights
-    rel_l2, _, ok = layer_bench.check_step("flashmoe", wrong, inputs, m, refs)
-    assert not ok and rel_l2 > 0.1
+    checked = layer_bench.check_step("flashmoe", wrong, inputs, m, refs)
+    assert not checked.ok and checked.rel_l2 > 0.1 and checked.kind == "reference" and checked.stats is None
     # compute_only is checked per layer against its own weights too.
     rows_out = [expert_rows_reference(a.expert_rows.x, a.expert_rows.sizes, m.w13[i], m.w2[i])
                 for i, a in enumerate(inputs.layers)]  # fmt: skip
-    assert layer_bench.check_step("compute_only", rows_out, inputs, m, None)[2]
+    assert layer_bench.check_step("compute_only", rows_out, inputs, m, None).ok
     rows_out[1] = rows_out[1].flip(0)
-    assert not layer_bench.check_step("compute_only", rows_out, inputs, m, None)[2]
+    assert not layer_bench.check_step("compute_only", rows_out, inputs, m, None).ok
 
 
 def test_world_one_compute_rows_are_the_layers_own_pairs_by_expert(gen):

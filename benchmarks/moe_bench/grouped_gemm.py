@@ -108,3 +108,206 @@ def _fast_path_note(device: torch.device) -> str:
             return f"CUTLASS grouped GEMM (sm_{major}0, bf16)"
         return f"ATen fallback loop inside torch._grouped_mm (sm_{major}x has no fast path)"
     return f"ATen {device.type} implementation"
+
+
+# ------------------------------------------------------------------------------------ fp8 weights
+#
+# The fp8 baselines' expert stage (``--dtype fp8``): the same SwiGLU MLP over rows grouped by local expert,
+# with block-fp8 weights (:mod:`flashmoe.fp8`: e4m3 values, one fp32 ``scale_inv`` per 128 x 128 block).
+# Two implementations, chosen once per run (``--fp8-gemm``) and named in every baseline row's ``backend``:
+#
+# * ``scaled_mm_loop`` — the fp8 layer's own function: each row quantised per 128-group
+#   (:func:`flashmoe.fp8.quantize_per_token_group`), one ``torch._scaled_mm`` per non-empty expert with 1x128
+#   activation and 128x128 weight block scales (cuBLASLt on sm_90, CUDA >= 12.9) giving GEMM0 in fp32, the
+#   SwiGLU in fp32, the activation quantised per 128-group the same way, GEMM1 to bf16. Checked against
+#   :func:`flashmoe.reference_fp8.moe_reference_fp8` with the fp8 budgets.
+# * ``dequant_bf16_mm_loop`` — where torch has no block-scaled fp8 GEMM on the device (e.g. a CPU): each
+#   touched expert's weights dequantised to bf16 on every call (fp32 product, one rounding), then the bf16
+#   SwiGLU with ``torch.mm``. Activations are not quantised, so it computes another function (the bf16
+#   layer on the dequantised weights) and is checked against that, with the bf16 check.
+#
+# Both loop over experts on the host with host-side group sizes (no sync: the callers have them), so
+# they can be graph-captured per input set like compute_only's bf16 GEMMs.
+
+SCALED_MM_LOOP = "scaled_mm_loop"
+DEQUANT_MM_LOOP = "dequant_bf16_mm_loop"
+FP8_GEMM_CHOICES = ("auto", SCALED_MM_LOOP, DEQUANT_MM_LOOP)
+SCALED_MM_ROW_MULTIPLE = 4  # cuBLASLt's block-scaled fp8 GEMM wants M % 4 == 0 (vLLM pads the same way)
+
+
+class BlockFp8:
+    """One layer's block-fp8 expert weights, ``q [E_local, N, K]`` e4m3 and ``scale_inv [E_local, N/128,
+    K/128]`` fp32 (dequantised weight = q x its block's scale_inv). ``shape`` is ``q``'s, so the baselines,
+    which read only ``w13.shape[0]``, take it where they take a bf16 weight tensor."""
+
+    def __init__(self, q: torch.Tensor, scale_inv: torch.Tensor):
+        if q.dim() != 3 or scale_inv.dim() != 3 or q.dtype != torch.float8_e4m3fn:
+            raise ValueError(
+                f"expected e4m3 [E, N, K] and fp32 [E, N/128, K/128], got {q.dtype} {tuple(q.shape)}"
+            )
+        self.q = q
+        self.scale_inv = scale_inv
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    def expert(self, e: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """Expert ``e``'s dequantised weight ``[N, K]``: the fp32 product (exact but for one rounding),
+        rounded once to ``dtype``."""
+        from flashmoe.fp8 import dequantize_weight_blocks
+
+        return dequantize_weight_blocks(self.q[e], self.scale_inv[e], dtype=torch.float32).to(dtype)
+
+    def dequantized(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """Every expert's dequantised weight ``[E, N, K]``, one expert at a time (no fp32 copy of all)."""
+        out = torch.empty(self.q.shape, dtype=dtype, device=self.q.device)
+        for e in range(self.q.shape[0]):
+            out[e] = self.expert(e, dtype)
+        return out
+
+    def as_bf16(self) -> _DequantizedExperts:
+        """Indexable like a bf16 ``[E, N, K]`` weight tensor (``[e]``, ``.shape``), each expert dequantised
+        when read: for per-expert reference loops without a bf16 copy of every expert."""
+        return _DequantizedExperts(self)
+
+
+class _DequantizedExperts:
+    def __init__(self, weights: BlockFp8):
+        self._w = weights
+        self.shape = weights.shape
+
+    def __getitem__(self, e: int) -> torch.Tensor:
+        return self._w.expert(e, torch.bfloat16)
+
+
+def scaled_mm_blockwise(
+    q_a: torch.Tensor, s_a: torch.Tensor, q_w: torch.Tensor, s_w: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """``a @ w.T`` for ``a = (q_a [m, K] e4m3, s_a [m, K/128] fp32)`` scaled per row and 128-group and ``w =
+    (q_w [N, K] e4m3, s_w [N/128, K/128] fp32)`` per 128 x 128 block, by ``torch._scaled_mm``'s (BlockWise1x128,
+    BlockWise128x128) recipe. Its layouts: ``a`` row-major, ``b = w.T`` column-major, ``scale_a`` [m, K/128]
+    outer-dim-major (strides (1, m)), ``scale_b`` [K/128, N/128] with ``scale_b.T = s_w`` row-major. Rows are
+    zero-padded to a multiple of :data:`SCALED_MM_ROW_MULTIPLE` and the result sliced back."""
+    m, K = q_a.shape
+    pad = -m % SCALED_MM_ROW_MULTIPLE
+    if pad:
+        # Padded through a uint8 view: zero-filling and row copies need no fp8 kernels that way.
+        a_bytes = torch.zeros(m + pad, K, dtype=torch.uint8, device=q_a.device)
+        a_bytes[:m] = q_a.view(torch.uint8)
+        q_a = a_bytes.view(torch.float8_e4m3fn)
+        s_a = torch.cat((s_a, s_a.new_ones(pad, s_a.shape[1])))
+    scale_a = s_a.t().contiguous().t()
+    out = torch._scaled_mm(q_a, q_w.t(), scale_a=scale_a, scale_b=s_w.t(), out_dtype=out_dtype)
+    return out[:m] if pad else out
+
+
+class Fp8SwiGLU:
+    """``y = swiglu(x)`` for bf16 rows grouped by local expert with :class:`BlockFp8` weights (see above).
+    Same call as :class:`GroupedSwiGLU`; ``sizes`` (host list of rows per local expert) is required."""
+
+    def __init__(self, impl: str):
+        if impl not in (SCALED_MM_LOOP, DEQUANT_MM_LOOP):
+            raise ValueError(f"fp8 expert GEMM {impl!r}: expected {SCALED_MM_LOOP} or {DEQUANT_MM_LOOP}")
+        self.impl = impl
+
+    def __call__(self, x: torch.Tensor, offs, sizes: list[int], w13: BlockFp8, w2: BlockFp8) -> torch.Tensor:
+        if sizes is None:
+            raise ValueError("the fp8 expert stage loops over experts: it needs the group sizes on the host")
+        out = x.new_empty(x.shape[0], w2.shape[1])
+        if x.shape[0] == 0:
+            return out
+        if self.impl == SCALED_MM_LOOP:
+            return self._scaled(x, sizes, w13, w2, out)
+        return self._dequant(x, sizes, w13, w2, out)
+
+    @staticmethod
+    def _scaled(x, sizes, w13: BlockFp8, w2: BlockFp8, out):
+        from flashmoe.fp8 import quantize_per_token_group
+
+        inter = w2.shape[2]
+        q_x, s_x = quantize_per_token_group(x)
+        gate_up = torch.empty(x.shape[0], 2 * inter, dtype=torch.float32, device=x.device)
+        for e, rows in _groups(sizes):
+            gate_up[rows] = scaled_mm_blockwise(
+                q_x[rows], s_x[rows], w13.q[e], w13.scale_inv[e], torch.float32
+            )
+        q_a, s_a = quantize_per_token_group(F.silu(gate_up[:, :inter]) * gate_up[:, inter:])
+        for e, rows in _groups(sizes):
+            out[rows] = scaled_mm_blockwise(q_a[rows], s_a[rows], w2.q[e], w2.scale_inv[e], out.dtype)
+        return out
+
+    @staticmethod
+    def _dequant(x, sizes, w13: BlockFp8, w2: BlockFp8, out):
+        inter = w2.shape[2]
+        for e, rows in _groups(sizes):
+            h = torch.mm(x[rows], w13.expert(e, x.dtype).t())
+            out[rows] = torch.mm(F.silu(h[:, :inter]) * h[:, inter:], w2.expert(e, x.dtype).t())
+        return out
+
+
+def _groups(sizes: list[int]):
+    """(expert, row slice) of each non-empty group."""
+    start = 0
+    for e, n in enumerate(sizes):
+        if n:
+            yield e, slice(start, start + n)
+            start += n
+
+
+def select_fp8_expert_gemm(requested: str, device: torch.device) -> tuple[str, str]:
+    """(implementation, why). ``auto``: ``scaled_mm_loop`` if ``torch._scaled_mm`` takes the block-scaled
+    recipe on ``device`` and agrees with the fp8 reference's GEMM on a probe, else the dequantising loop."""
+    if requested not in FP8_GEMM_CHOICES:
+        raise ValueError(f"--fp8-gemm {requested!r}: expected one of {FP8_GEMM_CHOICES}")
+    if requested == DEQUANT_MM_LOOP:
+        return DEQUANT_MM_LOOP, "requested: weights dequantised to bf16 per call, bf16 GEMMs (no fp8 GEMM)"
+    try:
+        err = _probe_scaled_mm(device)
+    except Exception as e:  # no block-scaled fp8 GEMM here: that is the answer
+        if requested == SCALED_MM_LOOP:
+            raise
+        first_line = (str(e).strip().splitlines() or [""])[0][:200]
+        return DEQUANT_MM_LOOP, (
+            f"torch._scaled_mm has no 1x128 x 128x128 block-scaled fp8 GEMM here ({type(e).__name__}: {first_line})"
+            "; weights dequantised to bf16 per call, bf16 GEMMs"
+        )
+    if err > SCALED_MM_PROBE_TOL:
+        why = f"torch._scaled_mm (block-scaled) disagrees with the fp8 reference's GEMM (rel err {err:.3g})"
+        if requested == SCALED_MM_LOOP:
+            raise RuntimeError(why)
+        return DEQUANT_MM_LOOP, why + "; weights dequantised to bf16 per call, bf16 GEMMs"
+    return SCALED_MM_LOOP, (
+        f"torch._scaled_mm per expert, 1x128 activation x 128x128 weight block scales, fp32 GEMM0 output "
+        f"(probe rel err {err:.2g} against the fp8 reference's GEMM)"
+    )
+
+
+# The probe's GEMMs differ from the reference's only in fp32 summation (and, if the tensor core keeps
+# ~14 bits inside a 128-K block, in that: ~1e-4); a wrong scale layout is off by O(1).
+SCALED_MM_PROBE_TOL = 1e-3
+
+
+def _probe_scaled_mm(device: torch.device) -> float:
+    """Largest relative (Frobenius) error of :func:`scaled_mm_blockwise` against
+    :func:`flashmoe.reference_fp8.block_scaled_gemm` over row counts off the padding multiple, with block
+    scales of different magnitude (a scale read from the wrong block shows)."""
+    from flashmoe.fp8 import quantize_per_token_group, quantize_weight_blocks
+    from flashmoe.reference_fp8 import block_scaled_gemm
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    K, N = 384, 256
+    w = torch.randn(N // 128, 128, K // 128, 128, generator=gen, device=device)
+    w *= torch.rand(N // 128, 1, K // 128, 1, generator=gen, device=device) * 8 + 0.1
+    q_w, s_w = quantize_weight_blocks(w.reshape(N, K))
+    worst = 0.0
+    for m in (1, 5, 8, 33):
+        a = torch.randn(m, K, generator=gen, device=device)
+        a *= torch.rand(m, 1, generator=gen, device=device) * 4 + 0.1
+        q_a, s_a = quantize_per_token_group(a.to(torch.bfloat16))
+        got = scaled_mm_blockwise(q_a, s_a, q_w, s_w, torch.float32)
+        want = block_scaled_gemm(q_a, s_a, q_w, s_w)
+        if got.shape != want.shape:
+            raise RuntimeError(f"shape {tuple(got.shape)} != {tuple(want.shape)}")
+        worst = max(worst, float((got - want).norm() / want.norm()))
+    return worst

@@ -1,6 +1,11 @@
-"""The three rates the floor divides by, measured at the start of every run on the same GPUs.
+"""The rates the floor divides by, measured at the start of every run on the same GPUs.
 
 * GEMM: a large square bf16 matmul (8192³ on GPU), FLOP/s.
+* fp8 GEMM (``--dtype fp8`` runs): the same square shape as e4m3 x e4m3 -> bf16 ``torch._scaled_mm`` with
+  per-tensor scales and fast accumulation, the fastest fp8 GEMM cuBLAS offers, so the floor built on it
+  stays a lower bound. Beside it, for information only (the floor does not use it), the block-scaled
+  recipe the fp8 layer computes: 1x128 activation and 128x128 weight scales (``fp8_blockwise``; None
+  where torch has no such GEMM on the device, e.g. on a CPU).
 * Copy: a large device-to-device copy (1 GiB on GPU), bytes read + bytes written per second.
 * Link: one GPU's copy engine writing into its neighbour's memory (rank 0's GPU -> the next
   visible GPU, 1 GiB), bytes per second one way — the NVLink rate a dispatch or combine can hope
@@ -45,19 +50,42 @@ class MeasuredRates:
     copy_bytes_per_rank: list[float]
     link_method: str
     sizes: RateSizes
+    fp8_gemm_flops_per_rank: list[float] | None = None  # measured only for --dtype fp8
+    fp8_blockwise_flops_per_rank: list[float | None] | None = None  # information; None where unsupported
+    fp8_blockwise_note: str | None = None
 
     def to_json(self) -> dict:
+        fp8 = self.fp8_gemm_flops_per_rank is not None
+        blockwise = [x for x in self.fp8_blockwise_flops_per_rank or [] if x is not None]
         return {
             "gemm_tflops": self.rates.gemm_flops / 1e12,
             "copy_GBps": self.rates.copy_bytes / 1e9,
             "link_GBps": self.rates.link_bytes / 1e9,
+            "fp8_gemm_tflops": self.rates.fp8_gemm_flops / 1e12 if fp8 else None,
+            "fp8_blockwise_gemm_tflops": max(blockwise) / 1e12 if blockwise else None,
             "gemm_tflops_per_rank": [x / 1e12 for x in self.gemm_flops_per_rank],
             "copy_GBps_per_rank": [x / 1e9 for x in self.copy_bytes_per_rank],
+            "fp8_gemm_tflops_per_rank": [x / 1e12 for x in self.fp8_gemm_flops_per_rank] if fp8 else None,
+            "fp8_blockwise_gemm_tflops_per_rank": [
+                None if x is None else x / 1e12 for x in self.fp8_blockwise_flops_per_rank
+            ]
+            if fp8
+            else None,
             "link_method": self.link_method,
             "gemm": f"bf16 matmul {self.sizes.gemm_n}^3, median of {self.sizes.iters}",
+            "fp8_gemm": f"e4m3 torch._scaled_mm {self.sizes.gemm_n}^3 -> bf16, per-tensor scales, fast accumulation, "
+            f"median of {self.sizes.iters}"
+            if fp8
+            else None,
+            "fp8_blockwise_gemm": (
+                f"e4m3 torch._scaled_mm {self.sizes.gemm_n}^3 -> bf16, 1x128 x 128x128 block scales "
+                f"(information, not used by the floor){': ' + self.fp8_blockwise_note if self.fp8_blockwise_note else ''}"
+            )
+            if fp8
+            else None,
             "copy": f"device copy of {self.sizes.copy_bytes >> 20} MiB, read+write counted, median of {self.sizes.iters}",
             "link": f"{self.sizes.link_bytes >> 20} MiB one way, median of {self.sizes.iters}",
-            "floor_uses": "fastest rank for gemm and copy",
+            "floor_uses": "fastest rank for gemm, fp8 gemm and copy",
         }
 
 
@@ -86,6 +114,40 @@ def gemm_flops(device: torch.device, n: int, iters: int) -> float:
     c = torch.empty(n, n, device=device, dtype=torch.bfloat16)
     s = _median_seconds(lambda: torch.mm(a, b, out=c), device, iters)
     return 2.0 * n**3 / s
+
+
+def fp8_gemm_flops(device: torch.device, n: int, iters: int) -> float:
+    """e4m3 [n, n] x e4m3 [n, n] -> bf16 with per-tensor scales and fast accumulation, FLOP/s."""
+    a = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device=device).to(torch.float8_e4m3fn).t()  # column-major, as _scaled_mm wants
+    one = torch.ones((), device=device)
+    c = torch.empty(n, n, device=device, dtype=torch.bfloat16)
+
+    def mm():
+        torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16, use_fast_accum=True, out=c)
+
+    return 2.0 * n**3 / _median_seconds(mm, device, iters)
+
+
+def fp8_blockwise_gemm_flops(device: torch.device, n: int, iters: int) -> tuple[float | None, str | None]:
+    """(FLOP/s or None, why None) of the block-scaled recipe: 1x128 scales on A (outer-dim-major),
+    128x128 scales on B, -> bf16."""
+    if n % 128:
+        return None, f"n={n} is not a multiple of 128"
+    a = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device=device).to(torch.float8_e4m3fn).t()
+    scale_a = torch.rand(n // 128, n, device=device).add_(0.5).t()  # [n, n/128], stride (1, n)
+    # scale_b.t() is [N/128, K/128] row-major: the 128x128 layout.
+    scale_b = torch.rand(n // 128, n // 128, device=device).add_(0.5).t()
+    try:
+        s = _median_seconds(
+            lambda: torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16),
+            device,
+            iters,
+        )
+    except Exception as e:  # no block-scaled fp8 GEMM in this torch on this device
+        return None, f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"[:200]
+    return 2.0 * n**3 / s, None
 
 
 def copy_bytes(device: torch.device, nbytes: int, iters: int) -> float:
@@ -160,14 +222,30 @@ def link_bytes(ranks: Ranks, sizes: RateSizes) -> tuple[float, str]:
     ), "gloo send/recv rank 0 -> 1 (CPU smoke run)"
 
 
-def measure_rates(ranks: Ranks) -> MeasuredRates:
+def measure_rates(ranks: Ranks, fp8: bool = False) -> MeasuredRates:
+    """``fp8``: also the fp8 GEMM rates (``--dtype fp8``)."""
     sizes = RateSizes.for_device(ranks.device)
     g = gemm_flops(ranks.device, sizes.gemm_n, sizes.iters)
     c = copy_bytes(ranks.device, sizes.copy_bytes, sizes.iters)
+    f8, block, block_note = 0.0, None, None
+    if fp8:
+        f8 = fp8_gemm_flops(ranks.device, sizes.gemm_n, sizes.iters)
+        block, block_note = fp8_blockwise_gemm_flops(ranks.device, sizes.gemm_n, sizes.iters)
     if ranks.device.type == "cuda":
         torch.cuda.empty_cache()
-    per_rank = ranks.gather([g, c])
+    per_rank = ranks.gather([g, c, f8, -1.0 if block is None else block])
     link, method = link_bytes(ranks, sizes)
     gemm_all = [r[0] for r in per_rank]
     copy_all = [r[1] for r in per_rank]
-    return MeasuredRates(Rates(max(gemm_all), max(copy_all), link), gemm_all, copy_all, method, sizes)
+    fp8_all = [r[2] for r in per_rank] if fp8 else None
+    block_all = [r[3] if r[3] >= 0 else None for r in per_rank] if fp8 else None
+    return MeasuredRates(
+        Rates(max(gemm_all), max(copy_all), link, max(fp8_all) if fp8 else 0.0),
+        gemm_all,
+        copy_all,
+        method,
+        sizes,
+        fp8_all,
+        block_all,
+        block_note,
+    )

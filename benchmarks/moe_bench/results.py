@@ -6,7 +6,7 @@ Schema ``flashmoe.layer_bench/1``. Top level::
     machine   {tag, hostname, device, gpu_name, gpu_count, visible_gpus, capability, gpu_memory_gib}
     software  {python, torch, cuda, nccl, nvshmem, deep_ep, flashmoe, commit, dirty}
     env       {NCCL_*, NVSHMEM_*, TORCH_SYMM_MEM_*, FLASHMOE_* variables set for the run}
-    config    {variants, models, tokens, routings, zipf_s, grouped_gemm, grouped_gemm_note, timing, ...}
+    config    {dtype, variants, models, tokens, routings, zipf_s, grouped_gemm, grouped_gemm_note, fp8, check, timing, ...}
     rates     see rates.MeasuredRates.to_json
     rows      [ROW_FIELDS...]
 
@@ -39,6 +39,7 @@ ROW_FIELDS = (
     "num_experts",  # experts actually run (global)
     "model_num_experts",  # the model's expert count; differs when reduced to fit memory
     "top_k",
+    "dtype",  # weight format: bf16 | fp8 (block-fp8 e4m3 + 128x128 fp32 scales); activations bf16 in both
     "world_size",
     "tokens_per_rank",
     "routing",  # uniform | zipf
@@ -66,6 +67,8 @@ ROW_FIELDS = (
     "x_floor_nodedup",  # latency_us / floor_nodedup_us
     "check_rel_l2",  # ||out - ref|| / ||ref|| on input set 0 (None if unchecked)
     "check_max_rel",  # max |out - ref| / max |ref|
+    "check_max_row_rel",  # fp8 budget checks: the worst row's ||out - ref|| / ||ref|| over all ranks (else None)
+    "check_against",  # what the check compared with, and by which tolerance
     "load_imbalance",  # max / mean expert rows over ranks
     "gemm_rows",  # (token, expert) pairs of the busiest rank per layer (mean over sets and layers)
     "tflops",  # achieved 6 · gemm_rows · H · I / latency, TFLOP/s
@@ -89,8 +92,12 @@ LATER_FIELDS = {
     "gemm_rows": None,
     "tflops": None,
     "tflops_vs_compute_only": None,
+    "dtype": "bf16",
+    "check_max_row_rel": None,
+    "check_against": None,
 }
 MODES = ("flushed", "serving")
+DTYPES = ("bf16", "fp8")
 
 NUMERIC_WHEN_OK = (
     "latency_us",
@@ -201,9 +208,12 @@ def run_env() -> dict:
     return {k: v for k, v in sorted(os.environ.items()) if k.startswith(prefixes)}
 
 
-def default_out_path(results_dir: Path, machine_tag: str, when: _dt.datetime | None = None) -> Path:
+def default_out_path(
+    results_dir: Path, machine_tag: str, when: _dt.datetime | None = None, dtype: str = "bf16"
+) -> Path:
+    """``<date>-<machine>-layer.json``; fp8 runs add ``-fp8``, so they never overwrite a bf16 run's file."""
     when = when or _dt.datetime.now()
-    return results_dir / f"{when:%Y-%m-%d}-{machine_tag}-layer.json"
+    return results_dir / f"{when:%Y-%m-%d}-{machine_tag}-layer{'' if dtype == 'bf16' else '-' + dtype}.json"
 
 
 def new_row(**values) -> dict:
@@ -231,6 +241,10 @@ def validate(doc: dict) -> list[str]:
     for key in ("gemm_tflops", "copy_GBps", "link_GBps"):
         if not isinstance(doc.get("rates", {}).get(key), (int, float)):
             errs.append(f"rates.{key} missing")
+    if any(r.get("dtype") == "fp8" for r in doc.get("rows") or []) and not isinstance(
+        doc.get("rates", {}).get("fp8_gemm_tflops"), (int, float)
+    ):
+        errs.append("rates.fp8_gemm_tflops missing (fp8 rows need the fp8 GEMM rate their floor used)")
     for i, row in enumerate(doc.get("rows") or []):
         missing, extra = set(ROW_FIELDS) - set(row) - set(LATER_FIELDS), set(row) - set(ROW_FIELDS)
         if missing or extra:
@@ -240,6 +254,8 @@ def validate(doc: dict) -> list[str]:
             errs.append(f"row {i}: status {row['status']!r} not in {STATUSES}")
         if row.get("mode", "flushed") not in MODES:
             errs.append(f"row {i}: mode {row['mode']!r} not in {MODES}")
+        if row.get("dtype", "bf16") not in DTYPES:
+            errs.append(f"row {i}: dtype {row['dtype']!r} not in {DTYPES}")
         if row["status"] == "ok":
             for f in NUMERIC_WHEN_OK:
                 if not isinstance(row[f], (int, float)) or row[f] < 0:

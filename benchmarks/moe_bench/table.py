@@ -1,12 +1,18 @@
 """Tables from benchmark rows: the plain one layer_bench prints last, and the README's markdown.
 
 Cells read ``p50 µs (p50 / floor)``, in the printed table followed by the spread p90/p10; a variant
-that did not run shows its status. Rows of the two modes (flushed, serving) are tabled separately.
+that did not run shows its status. Rows of the two modes (flushed, serving) are tabled separately, and
+so are rows of the two weight formats (bf16, fp8). A model with a published number of another system
+(:data:`moe_bench.shapes.ANCHORS`, e.g. DeepGEMM's Mega MoE for ``dsv4-flash``) gets an anchor column in
+its format's tables: the published latency at that token count and the EP size it was measured at, and
+flashmoe's latency over it only where a rank holds as many experts as the anchor's ranks did.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+
+from .shapes import ANCHORS
 
 VARIANTS = (
     "flashmoe",
@@ -27,17 +33,72 @@ def mode_of(row: dict) -> str:
     return row.get("mode") or "flushed"  # files from before serving mode hold flushed rows only
 
 
-def by_case(rows: list[dict], mode: str = "flushed") -> dict[tuple, dict[str, dict]]:
-    """{(model, routing, tokens_per_rank): {variant: row}} of one mode, in first-seen order."""
+def dtype_of(row: dict) -> str:
+    return row.get("dtype") or "bf16"  # files from before --dtype hold bf16 rows only
+
+
+def by_case(rows: list[dict], mode: str = "flushed", dtype: str = "bf16") -> dict[tuple, dict[str, dict]]:
+    """{(model, routing, tokens_per_rank): {variant: row}} of one mode and weight format, in first-seen order."""
     cases: dict[tuple, dict[str, dict]] = defaultdict(dict)
     for r in rows:
-        if mode_of(r) == mode:
+        if mode_of(r) == mode and dtype_of(r) == dtype:
             cases[(r["model"], r["routing"], r["tokens_per_rank"])][r["variant"]] = r
     return cases
 
 
 def modes(rows: list[dict]) -> list[str]:
     return list(dict.fromkeys(mode_of(r) for r in rows))
+
+
+def dtypes(rows: list[dict]) -> list[str]:
+    return list(dict.fromkeys(dtype_of(r) for r in rows))
+
+
+def _anchor_for(model: str, dtype: str):
+    a = ANCHORS.get(model)
+    return a if a is not None and a.dtype == dtype else None
+
+
+def anchor_cell(model: str, tokens: int, variants: dict[str, dict], dtype: str, times: str = "x") -> str:
+    """The published latency at this token count and its EP size; with flashmoe's ratio to it only where a
+    rank does the anchor's per-rank work (same experts per rank: the anchor's EP, or world 1 with
+    ``--per-rank-of-ep`` at it)."""
+    a = _anchor_for(model, dtype)
+    lat = a.latency_us.get(tokens) if a else None
+    if lat is None:
+        return "-"
+    cell = f"{lat:.0f} (EP{a.ep})"
+    fm = variants.get("flashmoe")
+    if (
+        fm
+        and fm["status"] == "ok"
+        and fm["backend"] == "megakernel"
+        and a.comparable(fm["num_experts"], fm["world_size"], dtype)
+    ):
+        cell += f" flashmoe {fm['latency_us'] / lat:.2f}{times}"
+    return cell
+
+
+def anchor_lines(models, dtype: str) -> list[str]:
+    """One line per anchor shown for ``models``: what it is, and when a ratio is printed."""
+    lines = []
+    for model in dict.fromkeys(models):
+        a = _anchor_for(model, dtype)
+        if a:
+            lines.append(
+                f"anchor for {model}: {a.label} ({a.source}), µs per layer at "
+                + ", ".join(f"{t}: {v:g}" for t, v in sorted(a.latency_us.items()))
+                + f" tokens per rank; a rank there holds {a.experts_per_rank:g} experts. flashmoe's ratio to it is "
+                f"shown only where a rank holds as many (EP{a.ep}, or world 1 with --per-rank-of-ep {a.ep}, which "
+                "moves no tokens between GPUs); at other EP sizes compare x floor (see benchmarks/README.md)"
+            )
+    return lines
+
+
+def _groups(rows: list[dict]) -> list[tuple[str, str]]:
+    """(mode, dtype) pairs present, modes first."""
+    present = {(mode_of(r), dtype_of(r)) for r in rows}
+    return [(m, d) for m in modes(rows) for d in dtypes(rows) if (m, d) in present]
 
 
 def spread(row: dict) -> float | None:
@@ -77,26 +138,36 @@ def _aligned(lines: list[list[str]], left: int) -> str:
     )
 
 
-def text_table(rows: list[dict]) -> str:
-    """One table per mode; cells: p50 µs (x floor) and p90/p10."""
+def text_table(rows: list[dict], expert_gemm: str | None = None) -> str:
+    """One table per mode and weight format; cells: p50 µs (x floor) and p90/p10. ``expert_gemm``: the fp8
+    baselines' expert stage, named in the fp8 tables' titles."""
     parts = []
-    for mode in modes(rows):
-        cases = by_case(rows, mode)
+    for mode, dtype in _groups(rows):
+        cases = by_case(rows, mode, dtype)
         present = [v for v in VARIANTS if any(v in c for c in cases.values())]
         layers = sorted({r["layers"] for c in cases.values() for r in c.values() if r.get("layers")})
         title = f"{mode}" + (
             f" (per layer of a {'/'.join(map(str, layers))}-layer step)" if mode == "serving" else ""
         )
-        header = ["model", "routing", "T/rank", "floor us"] + [
-            f"{v} p50 us (x floor) p90/p10" for v in present
-        ]
+        if dtype != "bf16":
+            title += f" · {dtype} weights" + (
+                f" · baselines' expert GEMM: {expert_gemm}" if expert_gemm else ""
+            )
+        anchored = [m for m, _, _ in cases if _anchor_for(m, dtype)]
+        header = (
+            ["model", "routing", "T/rank", "floor us"]
+            + (["anchor us"] if anchored else [])
+            + [f"{v} p50 us (x floor) p90/p10" for v in present]
+        )
         lines = [header]
         for (model, routing, tokens), variants in cases.items():
             lines.append(
                 [model, routing, str(tokens), _floor_cell(variants)]
+                + ([anchor_cell(model, tokens, variants, dtype)] if anchored else [])
                 + [_spread_cell(variants.get(v)) for v in present]
             )
-        parts.append(f"[{title}]\n" + _aligned(lines, 2))
+        notes = "".join(f"\n  {line}" for line in anchor_lines(anchored, dtype))
+        parts.append(f"[{title}]\n" + _aligned(lines, 2) + notes)
     compute = compute_text_table(rows)
     if compute:
         parts.append(compute)
@@ -112,16 +183,27 @@ def compute_text_table(rows: list[dict]) -> str:
     copies there): flashmoe against compute_only on the same rows, per mode and case; empty when no
     world-1 case has both."""
     lines = [
-        ["mode", "model", "routing", "T/rank", "rows", "flashmoe TFLOP/s", "compute_only TFLOP/s", "ratio"]
+        [
+            "mode",
+            "dtype",
+            "model",
+            "routing",
+            "T/rank",
+            "rows",
+            "flashmoe TFLOP/s",
+            "compute_only TFLOP/s",
+            "ratio",
+        ]
     ]
-    for mode in modes(rows):
-        for (model, routing, tokens), variants in by_case(rows, mode).items():
+    for mode, dtype in _groups(rows):
+        for (model, routing, tokens), variants in by_case(rows, mode, dtype).items():
             fm, co = variants.get("flashmoe"), variants.get("compute_only")
             if _tflops(fm) is None or _tflops(co) is None or fm["world_size"] != 1:
                 continue
             lines.append(
                 [
                     mode,
+                    dtype,
                     model,
                     routing,
                     str(tokens),
@@ -133,7 +215,7 @@ def compute_text_table(rows: list[dict]) -> str:
             )
     if len(lines) == 1:
         return ""
-    return "[world 1: expert GEMM throughput, 6·rows·H·I flops per layer]\n" + _aligned(lines, 3)
+    return "[world 1: expert GEMM throughput, 6·rows·H·I flops per layer]\n" + _aligned(lines, 4)
 
 
 def speedup(variants: dict[str, dict], baseline: str) -> float | None:
@@ -157,32 +239,44 @@ def _rate(tflops: float) -> str:
 
 
 def markdown_table(
-    rows: list[dict], tokens=(1, 128, 4096), routing: str = "uniform", mode: str = "flushed"
+    rows: list[dict],
+    tokens=(1, 128, 4096),
+    routing: str = "uniform",
+    mode: str = "flushed",
+    dtype: str = "bf16",
 ) -> str:
-    cases = {c: v for c, v in by_case(rows, mode).items() if c[1] == routing and c[2] in tokens}
+    cases = {c: v for c, v in by_case(rows, mode, dtype).items() if c[1] == routing and c[2] in tokens}
     if not cases:
         return ""
+    anchored = any(_anchor_for(m, dtype) for m, _, _ in cases)
     baselines = [b for b in BASELINES if any(b in v for v in cases.values())]
     if not baselines:
         baselines = ["all_to_all", "allgather_rs"]
     # Parts of a layer, not layers: the GEMMs alone, and DeepEP's dispatch + combine alone (where run).
     parts = ["compute_only"] + [p for p in ("deepep_ll_comm",) if any(p in v for v in cases.values())]
     out = [
-        "| model | T/rank | floor µs (bound) | flashmoe µs (×floor) | "
+        "| model | T/rank | floor µs (bound) | "
+        + ("anchor µs | " if anchored else "")
+        + "flashmoe µs (×floor) | "
         + " | ".join(f"{b} µs (×floor)" for b in baselines)
         + "".join(f" | {p} µs" for p in parts)
         + " | flashmoe speedup vs "
         + " / ".join(SHORT[b] for b in baselines)
         + " |",
-        "| --- | ---: | ---: | ---: | " + "---: | " * (len(baselines) + len(parts)) + "---: |",
+        "| --- | ---: | ---: | "
+        + ("---: | " if anchored else "")
+        + "---: | "
+        + "---: | " * (len(baselines) + len(parts))
+        + "---: |",
     ]
     for (model, _, t), variants in cases.items():
         part_cells = "".join(f" | {_latency_cell(variants.get(p))}" for p in parts)
         sp = [speedup(variants, b) for b in baselines]
         sp_cell = " / ".join(f"{s:.2f}×" if s else "-" for s in sp)
         cells = [_cell(variants.get(v)).replace("x)", "×)") for v in ("flashmoe", *baselines)]
+        anchor = f"{anchor_cell(model, t, variants, dtype, '×')} | " if anchored else ""
         out.append(
-            f"| {model} | {t} | {_floor_cell(variants)} | "
+            f"| {model} | {t} | {_floor_cell(variants)} | {anchor}"
             + " | ".join(cells)
             + f"{part_cells} | {sp_cell} |"
         )
@@ -195,14 +289,16 @@ def _latency_cell(row: dict | None) -> str:
     return f"{row['latency_us']:.1f}" if row["status"] == "ok" else row["status"]
 
 
-def compute_markdown_table(rows: list[dict], mode: str = "serving", gemm: str = "torch._grouped_mm") -> str:
+def compute_markdown_table(
+    rows: list[dict], mode: str = "serving", gemm: str = "torch._grouped_mm", dtype: str = "bf16"
+) -> str:
     """Expert GEMM TFLOP/s of flashmoe and compute_only (``gemm``) on the same rows (world-1 runs);
     empty if none."""
     out = [
         f"| model | T/rank | routing | rows | flashmoe TFLOP/s | {gemm} TFLOP/s | flashmoe / {gemm} |",
         "| --- | ---: | --- | ---: | ---: | ---: | ---: |",
     ]
-    for (model, routing, t), variants in by_case(rows, mode).items():
+    for (model, routing, t), variants in by_case(rows, mode, dtype).items():
         fm, co = variants.get("flashmoe"), variants.get("compute_only")
         if _tflops(fm) is None or _tflops(co) is None or fm["world_size"] != 1:
             continue
@@ -238,14 +334,17 @@ def target_lines(rows: list[dict], routing: str = "uniform") -> list[str]:
     return lines
 
 
-def metrics_overhead_lines(rows: list[dict]) -> list[str]:
+def metrics_overhead_lines(rows: list[dict], dtype: str = "bf16") -> list[str]:
     """The in-kernel metrics' cost (``--metrics-overhead`` rows), per model: median and worst case."""
     lines = []
     for model in dict.fromkeys(r["model"] for r in rows):
         got = sorted(
             (r["metrics_overhead"], r["tokens_per_rank"], r["routing"])
             for r in rows
-            if r["model"] == model and r.get("metrics_overhead") is not None and mode_of(r) == "flushed"
+            if r["model"] == model
+            and r.get("metrics_overhead") is not None
+            and mode_of(r) == "flushed"
+            and dtype_of(r) == dtype
         )
         if got:
             median = got[len(got) // 2][0]
