@@ -5,12 +5,22 @@ one device; :func:`megakernel_unsupported_reason_for` answers it from a model co
 capability alone, which is what engine adapters call at config time (no CUDA context). Adapters map
 a refusal to their own fallback (vLLM's DeepEP or default path, SGLang's deepep; :func:`deep_ep_importable`),
 log one line with the reason, and honour ``FLASHMOE_STRICT``.
+
+Weight formats: flashmoe computes two, on both backends (the megakernel and the PyTorch reference):
+unquantized experts (weights in the activation dtype) and block-fp8 experts (e4m3 weights in 128x128
+blocks with one fp32 ``scale_inv`` per block, bf16 activations quantised per token inside the layer;
+:mod:`flashmoe.reference_fp8`). Adapters describe a checkpoint's expert weights as a
+:class:`WeightFormat` -- :func:`weight_format_for` reads the Hugging Face ``quantization_config`` both
+vLLM and SGLang load -- and :func:`weights_unsupported_reason` says why any other format (per-tensor
+or per-channel fp8, UE8M0 scales, other block sizes, e5m2, MXFP4, NVFP4, int4/int8 weight-only, AWQ,
+GPTQ, ...) is not served.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -24,9 +34,11 @@ logger = logging.getLogger("flashmoe")
 MEGAKERNEL = "megakernel"
 REFERENCE = "reference"
 
-# Tile constraints of the v1 kernel (csrc/flashmoe/gemm.cuh): K and N are walked in 64/128-wide tiles.
+# Tile constraints of the kernel (csrc/flashmoe/gemm.cuh): K and N are walked in 64/128-wide tiles;
+# block-fp8 weights come in 128x128 blocks, so both dimensions are whole blocks.
 HIDDEN_MULTIPLE = 128
 INTERMEDIATE_MULTIPLE = 64
+FP8_BLOCK = 128
 MAX_TOP_K = 16
 MAX_WORLD = 64
 
@@ -40,22 +52,124 @@ class BackendChoice:
     reason: str
 
 
+@dataclass(frozen=True)
+class WeightFormat:
+    """How a layer's expert weights are stored, as far as flashmoe is concerned. Adapters build one at
+    config time (:func:`weight_format_for`), no CUDA needed; use the constants for the two that
+    flashmoe computes and :func:`unsupported_weights` for anything else."""
+
+    kind: str  # "unquantized", "fp8_block" or "unsupported"
+    description: str  # what it is, in words: log lines and errors quote it
+
+    @property
+    def weight_dtype(self) -> torch.dtype | None:
+        """``MoELayerSpec.weight_dtype`` for this format (None: the activation dtype)."""
+        return torch.float8_e4m3fn if self.kind == "fp8_block" else None
+
+
+UNQUANTIZED = WeightFormat("unquantized", "unquantized weights")
+FP8_BLOCK_128 = WeightFormat(
+    "fp8_block", "block-fp8 weights (e4m3, 128x128 blocks, fp32 scale_inv, dynamic per-token-group activations)"
+)
+
+
+def unsupported_weights(description: str) -> WeightFormat:
+    return WeightFormat("unsupported", description)
+
+
+def weights_unsupported_reason(weights: WeightFormat) -> str | None:
+    """None if flashmoe computes experts stored as ``weights`` (both backends compute the same
+    formats), else a one-line reason naming the format."""
+    if weights.kind in (UNQUANTIZED.kind, FP8_BLOCK_128.kind):
+        return None
+    return (
+        f"{weights.description}: flashmoe serves unquantized or block-fp8 experts "
+        f"(e4m3, {FP8_BLOCK}x{FP8_BLOCK} blocks, fp32 scale_inv)"
+    )
+
+
+# quant_method values of checkpoints and engines -> what they are, for the reason line ({bits}: the
+# config's bit width).
+_QUANT_METHOD_NAMES = {
+    "awq": "AWQ int{bits} weights (W{bits}A16)",
+    "awq_marlin": "AWQ int{bits} weights (W{bits}A16)",
+    "auto_awq": "AWQ int{bits} weights (W{bits}A16)",
+    "gptq": "GPTQ int{bits} weights (W{bits}A16)",
+    "gptq_marlin": "GPTQ int{bits} weights (W{bits}A16)",
+    "auto_gptq": "GPTQ int{bits} weights (W{bits}A16)",
+    "moe_wna16": "int{bits} weight-only experts (moe_wna16, W{bits}A16)",
+    "experts_int8": "int8 experts (experts_int8)",
+    "mxfp4": "MXFP4 weights",
+    "gpt_oss_mxfp4": "MXFP4 weights",
+    "mxfp8": "MXFP8 weights",
+    "modelopt": "ModelOpt-quantized weights (per-tensor fp8 or NVFP4)",
+    "modelopt_fp4": "NVFP4 weights (modelopt_fp4)",
+    "modelopt_mxfp8": "MXFP8 weights (modelopt_mxfp8)",
+    "fbgemm_fp8": "per-channel fp8 weights (fbgemm_fp8)",
+    "bitsandbytes": "bitsandbytes int8/4-bit weights",
+    "gguf": "GGUF-quantized weights",
+    "compressed-tensors": (
+        "a compressed-tensors checkpoint (flashmoe reads block-fp8 from quant_method=fp8 checkpoints only)"
+    ),
+}
+
+
+def weight_format_for(quant_method: str | None, quant_config: Mapping | None = None) -> WeightFormat:
+    """The expert weight format of a checkpoint: ``quant_method`` as the engine resolved it (vLLM's
+    ``ModelConfig.quantization``, SGLang's ``--quantization`` or the checkpoint's) and
+    ``quant_config`` the checkpoint's Hugging Face ``quantization_config`` (None: none in the checkpoint).
+    Only what flashmoe can read in place counts as block-fp8: ``quant_method`` ``fp8`` with
+    ``weight_block_size`` [128, 128], e4m3 (``fmt``), fp32 scales (no ``scale_fmt``) and dynamic
+    activations, the layout of DeepSeek-V3 and Qwen3-*-FP8."""
+    cfg = dict(quant_config or {})
+    method = (quant_method or cfg.get("quant_method") or "").lower()
+    if not method:
+        return UNQUANTIZED
+    if method != "fp8":
+        bits = cfg.get("bits") or cfg.get("w_bit") or cfg.get("weight_bits") or "N"
+        template = _QUANT_METHOD_NAMES.get(method, f"{method}-quantized weights")
+        return unsupported_weights(template.format(bits=bits))
+    if not cfg:  # --quantization fp8 on an unquantized checkpoint: vLLM 0.26 quantises online, per tensor
+        return unsupported_weights("fp8 weights quantised online at load (per-tensor scales)")
+    fmt = str(cfg.get("fmt", "e4m3")).lower()
+    if fmt != "e4m3":
+        return unsupported_weights(f"fp8 {fmt} weights (fmt={fmt}; the fp8 path reads e4m3)")
+    if cfg.get("store_dtype") == "mxfp4":
+        return unsupported_weights("MXFP4 experts in an fp8 checkpoint (store_dtype=mxfp4)")
+    block = cfg.get("weight_block_size")
+    if block is None:
+        scheme = cfg.get("activation_scheme", "dynamic")
+        return unsupported_weights(f"per-tensor fp8 weights (no weight_block_size; {scheme} activation scales)")
+    if list(block) != [FP8_BLOCK, FP8_BLOCK]:
+        return unsupported_weights(f"fp8 weights in {'x'.join(map(str, block))} blocks (weight_block_size={list(block)})")
+    scale_fmt = cfg.get("scale_fmt")
+    if scale_fmt not in (None, "float32", "fp32"):
+        return unsupported_weights(f"block-fp8 weights with {str(scale_fmt).upper()} scales (scale_fmt={scale_fmt})")
+    if cfg.get("activation_scheme", "dynamic") != "dynamic":
+        return unsupported_weights(f"block-fp8 weights with {cfg['activation_scheme']} activation scales")
+    return FP8_BLOCK_128
+
+
 def shape_unsupported_reason(
     hidden_size: int,
     intermediate_size: int,
     top_k: int,
     world_size: int,
     dtype: torch.dtype | None = torch.bfloat16,
+    weights: WeightFormat = UNQUANTIZED,
 ) -> str | None:
     """The limits of the kernel itself, from the model config alone (no device needed): None if the
     shape fits. Engine adapters call this at config time; :func:`megakernel_unsupported_reason` adds
     the device checks."""
     if dtype is not None and dtype != torch.bfloat16:
         return f"dtype {dtype} (the kernel is bf16)"
+    fp8 = weights.kind == FP8_BLOCK_128.kind
     if hidden_size % HIDDEN_MULTIPLE:
         return f"hidden size {hidden_size} is not a multiple of {HIDDEN_MULTIPLE}"
-    if intermediate_size % INTERMEDIATE_MULTIPLE:
-        return f"MoE intermediate size {intermediate_size} is not a multiple of {INTERMEDIATE_MULTIPLE}"
+    inter_multiple = FP8_BLOCK if fp8 else INTERMEDIATE_MULTIPLE
+    if intermediate_size % inter_multiple:
+        what = f" (block-fp8 weights come in {FP8_BLOCK}x{FP8_BLOCK} blocks)" if fp8 else ""
+        return f"MoE intermediate size {intermediate_size} is not a multiple of {inter_multiple}{what}"
     if top_k > MAX_TOP_K:
         return f"top_k {top_k} > {MAX_TOP_K}"
     if world_size > MAX_WORLD:
@@ -70,15 +184,19 @@ def megakernel_unsupported_reason_for(
     top_k: int,
     world_size: int,
     dtype: torch.dtype | None = torch.bfloat16,
-    quantization: str | None = None,
+    weights: WeightFormat = UNQUANTIZED,
 ) -> str | None:
-    """None if the megakernel can serve a layer of this shape on a GPU of ``capability``, else a one-line
-    reason. Needs no CUDA context: engines call it at config time with the capability their platform reports."""
+    """None if the megakernel can serve a layer of this shape and weight format on a GPU of
+    ``capability``, else a one-line reason. Needs no CUDA context: engines call it at config time with
+    the capability their platform reports and :func:`weight_format_for` of the checkpoint."""
+    if not isinstance(weights, WeightFormat):
+        raise TypeError(f"weights must be a flashmoe.backend.WeightFormat, got {type(weights).__name__} {weights!r}")
     if capability != HOPPER:
         return f"GPU is sm_{capability[0]}{capability[1]}; the megakernel is built for Hopper (sm_90a)"
-    if quantization is not None:
-        return f"{quantization} weights (the megakernel runs bf16 weights; there is no fp8 kernel yet)"
-    why = shape_unsupported_reason(hidden_size, intermediate_size, top_k, world_size, dtype)
+    why = weights_unsupported_reason(weights)
+    if why is not None:
+        return why
+    why = shape_unsupported_reason(hidden_size, intermediate_size, top_k, world_size, dtype, weights)
     if why is not None:
         return why
     if not _module_exists("nvidia.nvshmem"):
@@ -90,10 +208,16 @@ def megakernel_unsupported_reason_for(
     return None
 
 
+def spec_weight_format(spec: MoELayerSpec) -> WeightFormat:
+    """The weight format a spec describes (its ``weight_dtype``)."""
+    return FP8_BLOCK_128 if spec.fp8_weights else UNQUANTIZED
+
+
 def megakernel_unsupported_reason(
-    spec: MoELayerSpec, device: torch.device, world_size: int, quantized: bool = False
+    spec: MoELayerSpec, device: torch.device, world_size: int, weights: WeightFormat | None = None
 ) -> str | None:
-    """None if the megakernel can serve the layer on ``device``, else a one-line reason."""
+    """None if the megakernel can serve the layer on ``device``, else a one-line reason. ``weights``:
+    the engine's format when it differs from what the spec says (None: the spec's)."""
     if device.type != "cuda":
         return f"device is {device.type}, not cuda"
     if not torch.cuda.is_available():
@@ -105,19 +229,20 @@ def megakernel_unsupported_reason(
         spec.top_k,
         world_size,
         spec.dtype,
-        "quantized" if quantized else None,
+        weights if weights is not None else spec_weight_format(spec),
     )
 
 
 def select_backend(
-    spec: MoELayerSpec, device: torch.device, world_size: int, quantized: bool = False
+    spec: MoELayerSpec, device: torch.device, world_size: int, weights: WeightFormat | None = None
 ) -> BackendChoice:
     forced = config.backend()
     if forced == REFERENCE:
         return BackendChoice(REFERENCE, "FLASHMOE_BACKEND=reference")
-    why = megakernel_unsupported_reason(spec, device, world_size, quantized)
+    why = megakernel_unsupported_reason(spec, device, world_size, weights)
     if why is None:
-        return BackendChoice(MEGAKERNEL, "sm_90 GPU, bf16, supported shape")
+        what = "block-fp8" if spec.fp8_weights else "bf16"
+        return BackendChoice(MEGAKERNEL, f"sm_90 GPU, {what}, supported shape")
     if forced == MEGAKERNEL or config.strict():
         raise FlashMoEUnsupported(f"flashmoe megakernel cannot serve this layer: {why}")
     return BackendChoice(REFERENCE, why)

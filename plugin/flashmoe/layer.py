@@ -7,6 +7,13 @@ On an sm_90 GPU with a supported shape it launches the megakernel (one launch pe
 the process-wide symmetric ones from :mod:`flashmoe.buffers`); otherwise it runs the distributed
 PyTorch reference (:func:`flashmoe.reference.moe_reference_distributed`), which is also the CPU
 backend inside vLLM and SGLang. ``backend`` and ``reason`` say which and why.
+
+Block-fp8 experts (``spec.weight_dtype == torch.float8_e4m3fn``) take their scales with every call::
+
+    out = moe(hidden_states, topk_ids, topk_weights, w13, w2, w13_scale_inv=s13, w2_scale_inv=s2)
+
+(the contract: :mod:`flashmoe.validation`; the semantics, which the CPU backend runs:
+:mod:`flashmoe.reference_fp8`).
 """
 
 from __future__ import annotations
@@ -18,9 +25,10 @@ import time
 import torch
 
 from . import config, metrics, validation
-from .backend import MEGAKERNEL, REFERENCE, select_backend
+from .backend import MEGAKERNEL, REFERENCE, select_backend, spec_weight_format, unsupported_weights
 from .placement import ExpertPlacement
 from .reference import _reference_distributed_impl, _reference_impl
+from .reference_fp8 import _reference_distributed_fp8_impl, _reference_fp8_impl
 from .spec import MoELayerSpec
 
 logger = logging.getLogger("flashmoe")
@@ -40,7 +48,9 @@ class FlashMoE:
     ):
         """``group``: the EP process group (NCCL on GPU, gloo on CPU; None = WORLD when initialised).
         ``cpu_group``: a gloo group over the same ranks for NVSHMEM's bootstrap (defaults to ``group``).
-        ``spec.max_tokens_per_rank`` is replaced by FLASHMOE_MAX_TOKENS when that is set."""
+        ``spec.max_tokens_per_rank`` is replaced by FLASHMOE_MAX_TOKENS when that is set.
+        ``quantized``: the engine's weights are quantized in a format other than ``spec.weight_dtype``
+        says (the megakernel then refuses the layer); block-fp8 is described by the spec, not by this."""
         import torch.distributed as dist
 
         spec = dataclasses.replace(spec, max_tokens_per_rank=config.max_tokens_per_rank(spec.max_tokens_per_rank))
@@ -58,7 +68,10 @@ class FlashMoE:
         if device.type == "cuda" and device.index is None:  # compared with the tensors' devices, which carry one
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
-        choice = select_backend(spec, device, self.world_size, quantized)
+        weights = spec_weight_format(spec)
+        if quantized and not spec.fp8_weights:
+            weights = unsupported_weights("quantized weights in a format the layer spec does not describe")
+        choice = select_backend(spec, device, self.world_size, weights)
         self.backend, self.reason = choice.name, choice.reason
         self.layer_id = metrics.register_layer(layer_name or f"layer{id(self):x}", self.backend, ep_rank=self.rank)
         self._kernel = None
@@ -70,22 +83,52 @@ class FlashMoE:
             buf = self._kernel.buffers
             metrics.attach_device_source(buf.metrics_ring, buf.metrics_totals)
 
-    def __call__(self, hidden_states, topk_ids, topk_weights, w13, w2, out=None) -> torch.Tensor:
-        return self.forward(hidden_states, topk_ids, topk_weights, w13, w2, out=out)
+    def __call__(
+        self, hidden_states, topk_ids, topk_weights, w13, w2, out=None, *, w13_scale_inv=None, w2_scale_inv=None
+    ) -> torch.Tensor:
+        return self.forward(
+            hidden_states, topk_ids, topk_weights, w13, w2, out=out, w13_scale_inv=w13_scale_inv, w2_scale_inv=w2_scale_inv
+        )
 
-    def forward(self, hidden_states, topk_ids, topk_weights, w13, w2, out: torch.Tensor | None = None) -> torch.Tensor:
-        """``out`` (optional, [T, H], input dtype, same device): written in full and returned."""
+    def forward(
+        self,
+        hidden_states,
+        topk_ids,
+        topk_weights,
+        w13,
+        w2,
+        out: torch.Tensor | None = None,
+        *,
+        w13_scale_inv: torch.Tensor | None = None,
+        w2_scale_inv: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``out`` (optional, [T, H], input dtype, same device): written in full and returned.
+        ``w13_scale_inv``/``w2_scale_inv``: the block scales, required exactly when the spec's weights
+        are block-fp8."""
+        self._check_scales_given(w13_scale_inv, w2_scale_inv)
         on_gpu = self._kernel is not None
         # One set of checks for both backends; the GPU path skips only the id range (it would need a sync).
         validation.check_call(
             hidden_states, topk_ids, topk_weights, w13, w2, self.placement, self.rank, spec=self.spec, out=out,
             check_ids=not on_gpu, device=self.device if on_gpu else None, contiguous=on_gpu,
+            w13_scale_inv=w13_scale_inv, w2_scale_inv=w2_scale_inv,
         )
         if on_gpu:
-            return self._kernel.forward(hidden_states, topk_ids, topk_weights, w13, w2, out)
+            return self._kernel.forward(
+                hidden_states, topk_ids, topk_weights, w13, w2, out, w13_scale_inv=w13_scale_inv, w2_scale_inv=w2_scale_inv
+            )
         t0 = time.perf_counter()
         # The reference implementations without their own input checks: check_call above made them.
-        if self.world_size == 1:
+        if self.spec.fp8_weights:
+            if self.world_size == 1:
+                result = _reference_fp8_impl(
+                    hidden_states, topk_ids, topk_weights, w13, w13_scale_inv, w2, w2_scale_inv, self.placement
+                )
+            else:
+                result = _reference_distributed_fp8_impl(
+                    hidden_states, topk_ids, topk_weights, w13, w13_scale_inv, w2, w2_scale_inv, self.placement, self.group
+                )
+        elif self.world_size == 1:
             result = _reference_impl(hidden_states, topk_ids, topk_weights, w13, w2, self.placement, torch.float32, hidden_states.dtype)
         else:
             result = _reference_distributed_impl(hidden_states, topk_ids, topk_weights, w13, w2, self.placement, self.group)
@@ -94,6 +137,21 @@ class FlashMoE:
             out.copy_(result)
             return out
         return result
+
+    def _check_scales_given(self, w13_scale_inv, w2_scale_inv) -> None:
+        given = [n for n, t in (("w13_scale_inv", w13_scale_inv), ("w2_scale_inv", w2_scale_inv)) if t is not None]
+        if self.spec.fp8_weights:
+            missing = [n for n in ("w13_scale_inv", "w2_scale_inv") if n not in given]
+            if missing:
+                raise ValueError(
+                    f"{' and '.join(missing)} required: this layer's weights are block-fp8 "
+                    f"(spec.weight_dtype={self.spec.weight_dtype})"
+                )
+        elif given:
+            raise ValueError(
+                f"{' and '.join(given)} given, but this layer's weights are {self.spec.dtype} "
+                "(spec.weight_dtype is None): scales belong to block-fp8 layers only"
+            )
 
     @property
     def buffer_bytes(self) -> int | None:
@@ -108,7 +166,8 @@ class FlashMoE:
         s = self.spec
         return (
             f"FlashMoE({self.layer_name or '?'}: backend={self.backend} ({self.reason}), EP {self.rank}/{self.world_size}, "
-            f"E={s.num_experts} k={s.top_k} H={s.hidden_size} I={s.intermediate_size} max_tokens={s.max_tokens_per_rank})"
+            f"E={s.num_experts} k={s.top_k} H={s.hidden_size} I={s.intermediate_size} max_tokens={s.max_tokens_per_rank}"
+            f"{' weights=block-fp8' if s.fp8_weights else ''})"
         )
 
 

@@ -69,6 +69,23 @@ def check_spec(spec) -> None:
         raise TypeError(f"MoELayerSpec.dtype must be a torch.dtype, got {type(spec.dtype).__name__} {spec.dtype!r}")
     if spec.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"MoELayerSpec.dtype {spec.dtype} not supported (use one of {SUPPORTED_DTYPES})")
+    w = spec.weight_dtype
+    if w is None or w == spec.dtype:
+        return
+    if not isinstance(w, torch.dtype):
+        raise TypeError(f"MoELayerSpec.weight_dtype must be a torch.dtype or None, got {type(w).__name__} {w!r}")
+    if w != E4M3:
+        raise ValueError(
+            f"MoELayerSpec.weight_dtype {w} not supported: use None (weights in dtype {spec.dtype}) or "
+            f"{E4M3} (block-fp8 experts)"
+        )
+    if spec.dtype != torch.bfloat16:
+        raise ValueError(f"MoELayerSpec.weight_dtype {E4M3} needs dtype torch.bfloat16 (bf16 activations), got {spec.dtype}")
+    if spec.hidden_size % GROUP or spec.intermediate_size % GROUP:
+        raise ValueError(
+            f"MoELayerSpec: block-fp8 weights need hidden_size and intermediate_size multiples of {GROUP} "
+            f"(the block size), got {spec.hidden_size} and {spec.intermediate_size}"
+        )
 
 
 def check_placement(placement) -> None:
@@ -185,7 +202,7 @@ def check_call(
             f"w13 holds {E_local} experts but the placement gives rank {rank} {placement.num_local(rank)}"
         )
     if spec is not None:
-        _check_against_spec(spec, T, H, topk_ids.shape[1], I, hidden_states.dtype)
+        _check_against_spec(spec, T, H, topk_ids.shape[1], I, hidden_states.dtype, w13.dtype)
     for name, t in args[1:]:
         if t.device != hidden_states.device:
             raise ValueError(f"{name} is on {t.device}, hidden_states on {hidden_states.device}")
@@ -230,7 +247,7 @@ def _check_fp8_weights(x_dtype: torch.dtype, w13, w13_scale_inv, w2, w2_scale_in
             raise ValueError(f"{name} must be float32, got {t.dtype}")
 
 
-def _check_against_spec(spec, T: int, H: int, k: int, I: int, dtype: torch.dtype) -> None:
+def _check_against_spec(spec, T: int, H: int, k: int, I: int, dtype: torch.dtype, weight_dtype: torch.dtype) -> None:
     if H != spec.hidden_size:
         raise ValueError(f"hidden_states has H={H}, the layer's hidden_size is {spec.hidden_size}")
     if k != spec.top_k:
@@ -239,5 +256,8 @@ def _check_against_spec(spec, T: int, H: int, k: int, I: int, dtype: torch.dtype
         raise ValueError(f"w13/w2 have I={I}, the layer's intermediate_size is {spec.intermediate_size}")
     if dtype != spec.dtype:
         raise ValueError(f"hidden_states dtype {dtype} differs from the layer's dtype {spec.dtype}")
+    expected = spec.weight_dtype or spec.dtype
+    if weight_dtype != expected:
+        raise ValueError(f"w13/w2 dtype {weight_dtype} differs from the layer's weight dtype {expected}")
     if T > spec.max_tokens_per_rank:
         raise ValueError(f"{T} tokens exceed max_tokens_per_rank={spec.max_tokens_per_rank} this layer was sized for")
