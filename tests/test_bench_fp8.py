@@ -1,22 +1,20 @@
 """``layer_bench --dtype fp8`` on the CPU: the shape registry and anchor, options, the fp8 expert stage of
 the baselines, the fp8 check wiring and whole runs (world 1 in-process, world 2 over gloo).
 
-Two things of the GPU path cannot run here and are stood in for, each checked against its definition:
+flashmoe's fp8 layer is the real one: ``FlashMoE(MoELayerSpec(..., weight_dtype=float8_e4m3fn))`` on its CPU
+(reference) backend, which computes :mod:`flashmoe.reference_fp8`.
 
-* ``torch._scaled_mm`` with 1x128 x 128x128 block scales (cuBLASLt on sm_90; torch's CPU build has none):
-  :func:`emulated_scaled_mm` enforces the layouts torch's CUDA implementation accepts
-  (``aten/src/ATen/native/cuda/ScaledBlas.cpp``: ``a`` row-major, ``b`` column-major, ``scale_a`` [M, K/128]
-  outer-dim-major, ``scale_b.t()`` [N/128, K/128] row-major; cuBLASLt's M % 4 == 0) and computes the
-  product as :func:`flashmoe.reference_fp8.block_scaled_gemm` does.
-* flashmoe's fp8 layer (issue 15, being written against the same contract): :class:`ContractFlashMoE`
-  takes ``MoELayerSpec(..., weight_dtype=float8_e4m3fn)`` and ``forward(x, ids, w, w13, w2, out=None, *,
-  w13_scale_inv, w2_scale_inv)``, validates the call with :func:`flashmoe.validation.check_call` and
-  returns the fp8 reference.
+One thing of the GPU path cannot run here and is stood in for, checked against its definition:
+``torch._scaled_mm`` with 1x128 x 128x128 block scales (cuBLASLt on sm_90; torch's CPU build takes only
+TensorWise and RowWise scales, see :func:`test_cpu_torch_has_no_block_scaled_scaled_mm`).
+:func:`emulated_scaled_mm` enforces the layouts torch's CUDA implementation accepts
+(``aten/src/ATen/native/cuda/ScaledBlas.cpp``: ``a`` row-major, ``b`` column-major, ``scale_a`` [M, K/128]
+outer-dim-major, ``scale_b.t()`` [N/128, K/128] row-major; cuBLASLt's M % 4 == 0) and computes the
+product as :func:`flashmoe.reference_fp8.block_scaled_gemm` does.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -53,7 +51,7 @@ E4M3 = torch.float8_e4m3fn
 _REAL_SCALED_MM = torch._scaled_mm
 
 
-# ----------------------------------------------------------------------------------------- stand-ins
+# ------------------------------------------------------------------------------------------ stand-in
 
 
 def emulated_scaled_mm(a, b, scale_a, scale_b, bias=None, scale_result=None, out_dtype=None, use_fast_accum=False, out=None):  # fmt: skip
@@ -91,62 +89,25 @@ def emulated_scaled_mm(a, b, scale_a, scale_b, bias=None, scale_result=None, out
     return block_scaled_gemm(a, scale_a.contiguous(), b.t(), sb.contiguous()).to(out_dtype or torch.bfloat16)
 
 
-@dataclasses.dataclass(frozen=True)
-class ContractSpec:
-    num_experts: int
-    top_k: int
-    hidden_size: int
-    intermediate_size: int
-    max_tokens_per_rank: int
-    dtype: torch.dtype = torch.bfloat16
-    weight_dtype: torch.dtype = torch.bfloat16
+def install_scaled_mm_emulator(monkeypatch=None) -> None:
+    if monkeypatch is None:
+        torch._scaled_mm = emulated_scaled_mm
+    else:
+        monkeypatch.setattr(torch, "_scaled_mm", emulated_scaled_mm)
 
 
-class ContractFlashMoE:
-    """flashmoe's fp8 layer as the issue-15 contract describes it, computed by the fp8 reference."""
-
-    backend = "reference"
-    reason = "contract stand-in (tests/test_bench_fp8.py)"
-    calls = 0
-
-    def __init__(self, spec, placement, group=None, *, cpu_group=None, layer_name="", device=None):
-        assert spec.weight_dtype == E4M3 and spec.dtype == torch.bfloat16
-        self.spec, self.placement, self.group = spec, placement, group
-
-    def __call__(self, *args, **kwargs):
-        return self.forward(*args, **kwargs)
-
-    def forward(self, x, topk_ids, topk_weights, w13, w2, out=None, *, w13_scale_inv=None, w2_scale_inv=None):
-        from flashmoe import validation
-        from flashmoe.reference_fp8 import moe_reference_distributed_fp8, moe_reference_fp8
-
-        rank = dist.get_rank(self.group)
-        validation.check_call(
-            x, topk_ids, topk_weights, w13, w2, self.placement, rank, out=out,
-            w13_scale_inv=w13_scale_inv, w2_scale_inv=w2_scale_inv,
-        )  # fmt: skip
-        type(self).calls += 1
-        args = (x, topk_ids, topk_weights, w13, w13_scale_inv, w2, w2_scale_inv, self.placement)
-        if dist.get_world_size(self.group) == 1:
-            result = moe_reference_fp8(*args)
-        else:
-            result = moe_reference_distributed_fp8(*args, self.group)
-        out.copy_(result)
-        return out
-
-
-def install_stand_ins(monkeypatch=None) -> None:
-    import flashmoe
-
-    for target, name, value in (
-        (torch, "_scaled_mm", emulated_scaled_mm),
-        (flashmoe, "MoELayerSpec", ContractSpec),
-        (flashmoe, "FlashMoE", ContractFlashMoE),
-    ):
-        if monkeypatch is None:
-            setattr(target, name, value)
-        else:
-            monkeypatch.setattr(target, name, value)
+def test_cpu_torch_has_no_block_scaled_scaled_mm(gen):
+    """Why the emulator exists: the CPU build refuses the (BlockWise1x128, BlockWise128x128) recipe in the
+    layouts the CUDA build takes. Should a torch take it, this fails: drop the emulator, use the real op."""
+    M, K, N = 8, 256, 256
+    a = torch.randn(M, K, generator=gen).to(E4M3)
+    b = torch.randn(N, K, generator=gen).to(E4M3).t()
+    scale_a = torch.rand(K // 128, M, generator=gen).t()
+    scale_b = torch.rand(N // 128, K // 128, generator=gen).t()
+    with pytest.raises((RuntimeError, ValueError, NotImplementedError)):
+        _REAL_SCALED_MM(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)
+    emulated = emulated_scaled_mm(a, b, scale_a, scale_b, out_dtype=torch.float32)
+    assert torch.equal(emulated, block_scaled_gemm(a, scale_a.contiguous(), b.t(), scale_b.t().contiguous()))
 
 
 # ------------------------------------------------------------------------------------ shapes, options
@@ -483,8 +444,8 @@ def _assert_fp8_run(doc: dict, world: int, expert_gemm: str) -> dict:
     return rows
 
 
-def test_one_rank_fp8_run_with_the_contract_layer_and_scaled_mm(tmp_path, monkeypatch):
-    install_stand_ins(monkeypatch)
+def test_one_rank_fp8_run_with_flashmoe_and_scaled_mm(tmp_path, monkeypatch, capsys):
+    install_scaled_mm_emulator(monkeypatch)
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.setenv(k, "")  # recorded, so that what main() sets is undone after the test
         monkeypatch.delenv(k)
@@ -492,16 +453,20 @@ def test_one_rank_fp8_run_with_the_contract_layer_and_scaled_mm(tmp_path, monkey
         monkeypatch.setenv(k, os.environ.get(k, layer_bench.NO_MULTICAST_ENV[k]))
     out = tmp_path / "w1.json"
     variants = "flashmoe,all_to_all,allgather_rs,compute_only,vllm_fused,deepep_ll"
-    ContractFlashMoE.calls = 0
     assert layer_bench.main([*RUN_ARGS, "--variants", variants, "--mode", "flushed,serving", "--layers", "2",
                              "--fp8-gemm", SCALED_MM_LOOP, "--out", str(out)]) == 0  # fmt: skip
     doc = results.load(out)
     rows = _assert_fp8_run(doc, 1, SCALED_MM_LOOP)
-    assert ContractFlashMoE.calls > 0 and doc["rates"]["fp8_blockwise_gemm_tflops"] > 0  # via the emulator
+    assert doc["rates"]["fp8_blockwise_gemm_tflops"] > 0  # via the emulator
+    # flashmoe's own fp8 layer, built as an engine builds it: two block-fp8 layers on the CPU (reference) backend,
+    # for the reason flashmoe's backend selection gives.
+    assert "flashmoe tiny: 2 layer(s), backend reference (device is cpu, not cuda)" in capsys.readouterr().out
     for mode in ("flushed", "serving"):
         got = {r["variant"]: r for r in doc["rows"] if r["mode"] == mode}
         fm = got["flashmoe"]
-        assert fm["status"] == "ok" and fm["backend"] == "reference" and fm["check_rel_l2"] == 0
+        # The CPU backend computes flashmoe.reference_fp8 itself: the check finds no difference at all.
+        assert fm["status"] == "ok" and fm["backend"] == "reference", fm["note"]
+        assert fm["check_rel_l2"] == 0 and fm["check_max_row_rel"] == 0
         assert fm["check_against"] == "flashmoe.reference_fp8 (fp8 budgets)"
         for v in ("all_to_all", "allgather_rs", "compute_only"):
             r = got[v]
@@ -516,7 +481,7 @@ def test_one_rank_fp8_run_with_the_contract_layer_and_scaled_mm(tmp_path, monkey
 
 def _two_rank_worker(rank: int, world: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
-    install_stand_ins()
+    install_scaled_mm_emulator()
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))  # fmt: skip
     variants = "flashmoe,all_to_all,allgather_rs,compute_only"
@@ -525,12 +490,14 @@ def _two_rank_worker(rank: int, world: int, port: int, out: str) -> None:
 
 @pytest.mark.timeout(240)
 def test_two_rank_fp8_run_judges_all_ranks_rows_together(tmp_path):
-    """EP2 over gloo: the distributed fp8 reference, scaled_mm baselines (emulated) and the verdict over both
-    ranks' rows; ``--fp8-gemm auto`` picks scaled_mm_loop because the emulated probe agrees."""
+    """EP2 over gloo: flashmoe's fp8 layer (its distributed CPU backend), scaled_mm baselines (emulated) and the
+    verdict over both ranks' rows; ``--fp8-gemm auto`` picks scaled_mm_loop because the emulated probe agrees."""
     out = tmp_path / "w2.json"
     run_ranks(_two_rank_worker, 2, (str(out),), timeout=200)
     rows = _assert_fp8_run(results.load(out), 2, SCALED_MM_LOOP)
-    assert rows["flashmoe"]["status"] == "ok" and rows["flashmoe"]["check_rel_l2"] == 0
+    fm = rows["flashmoe"]
+    assert fm["status"] == "ok" and fm["backend"] == "reference", fm["note"]
+    assert fm["check_rel_l2"] == 0 and fm["check_against"] == "flashmoe.reference_fp8 (fp8 budgets)"
     for v in ("all_to_all", "allgather_rs", "compute_only"):
         assert rows[v]["status"] == "ok" and rows[v]["check_max_row_rel"] is not None, rows[v]["note"]
     assert rows["all_to_all"]["t_link_us"] > 0  # EP2 moves rows: fp8 dispatch, bf16 combine
@@ -539,7 +506,7 @@ def test_two_rank_fp8_run_judges_all_ranks_rows_together(tmp_path):
 @pytest.mark.timeout(180)
 def test_two_rank_cpu_smoke_fp8(tmp_path):
     """The plain CPU run a user gets (torchrun, no stand-ins): baselines dequantise (no block-scaled
-    _scaled_mm on a CPU) and say so; flashmoe runs where this tree has an fp8 layer, else says it has none."""
+    _scaled_mm on a CPU) and say so; flashmoe runs its fp8 layer on the reference backend."""
     out = tmp_path / "smoke-fp8.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(SCRIPT),
            *RUN_ARGS, "--out", str(out), "--mode", "flushed,serving"]  # fmt: skip
@@ -556,9 +523,9 @@ def test_two_rank_cpu_smoke_fp8(tmp_path):
             assert r["status"] == "ok" and r["backend"] == DEQUANT_MM_LOOP and "dequantised" in r["note"]
             assert "bf16-dequantised weights" in r["check_against"] and r["check_rel_l2"] < 1e-2
         elif r["variant"] == "flashmoe":
-            assert (r["status"] == "ok" and "fp8 budgets" in r["check_against"]) or (
-                r["status"] == "unavailable" and "no fp8 layer" in r["note"]
-            ), r
+            assert r["status"] == "ok" and r["backend"] == "reference", r
+            assert r["check_against"] == "flashmoe.reference_fp8 (fp8 budgets)" and r["check_rel_l2"] == 0
         else:
             assert r["status"] == "unavailable" and r["note"]
     assert "[flushed · fp8 weights · baselines' expert GEMM: dequant_bf16_mm_loop]" in run.stdout
+    assert "backend reference (device is cpu, not cuda)" in run.stdout
