@@ -125,6 +125,16 @@ def fp8_weights(E, H, I, seed, device):
     return w13, w2, s13, s2
 
 
+def draw_layer(E, H, I, T, gen, device, fp8):
+    """(x, w13, w2, scales): tokens and weights of one layer; scales = the fp8 weights' keyword arguments."""
+    if not fp8:
+        w13, w2 = weights(E, H, I, gen, device)
+        return torch.randn(T, H, generator=gen).to(torch.bfloat16).to(device), w13, w2, {}
+    w13, w2, s13, s2 = fp8_weights(E, H, I, int(torch.randint(1 << 30, (1,), generator=gen)), device)
+    x = random_grouped_hidden(T, H, gen).to(device)
+    return x, w13, w2, dict(w13_scale_inv=s13, w2_scale_inv=s2)
+
+
 class Fp8Layer:
     """The megakernel on block-fp8 weights, called like FlashMoE (its scales as keywords)."""
 
@@ -175,18 +185,12 @@ def check(gen, device, only: int | None = None, fp8: bool = False) -> list[dict]
             continue  # block-fp8 needs both multiples of the block
         moe = layer(shape, fp8)
         ids, w = routing(E, k, T, kind, gen, device)
-        scales = {}
-        if fp8:
-            w13, w2, s13, s2 = fp8_weights(E, H, I, int(torch.randint(1 << 30, (1,), generator=gen)), device)
-            scales = dict(w13_scale_inv=s13, w2_scale_inv=s2)
-            x = random_grouped_hidden(T, H, gen).to(device)
-        else:
-            w13, w2 = weights(E, H, I, gen, device)
-            x = torch.randn(T, H, generator=gen).to(torch.bfloat16).to(device)
+        x, w13, w2, scales = draw_layer(E, H, I, T, gen, device, fp8)
         out = torch.full_like(x, float("nan"))
         moe(x, ids, w, w13, w2, out=out, **scales)
         wait_or_report(moe)
         if fp8:
+            s13, s2 = scales["w13_scale_inv"], scales["w2_scale_inv"]
             ref = moe_reference_fp8(x, ids, w, w13, s13, w2, s2)
             oracle = moe_oracle_fp64_fp8(x, ids, w, w13, s13, w2, s2)
             s_ref, s_orc = error_stats(out, ref), error_stats(out, oracle)
@@ -297,14 +301,7 @@ def time_case(shape, T, gen, device, l2, replays, fp8=False) -> dict:
     bf16_moe = layer(shape) if fp8 else None  # the bf16 layer on the same rows, timed beside it
     layers = []
     for _ in range(L):
-        scales = {}
-        if fp8:
-            w13, w2, s13, s2 = fp8_weights(E, H, I, int(torch.randint(1 << 30, (1,), generator=gen)), device)
-            scales = dict(w13_scale_inv=s13, w2_scale_inv=s2)
-            x = random_grouped_hidden(T, H, gen).to(device)
-        else:
-            w13, w2 = weights(E, H, I, gen, device)
-            x = torch.randn(T, H, generator=gen).to(torch.bfloat16).to(device)
+        x, w13, w2, scales = draw_layer(E, H, I, T, gen, device, fp8)
         ids, w = routing(E, k, T, "uniform", gen, device)
         # Rows grouped by expert for the grouped_mm baseline (the same token-expert pairs).
         flat = ids.flatten().long()

@@ -25,6 +25,24 @@ __device__ __forceinline__ int64_t dispatch_row_bytes(const Params& p) {
   return kFp8 ? p.hidden_size + (p.hidden_size / kFp8Group) * 4 : p.hidden_size * 2;
 }
 
+// The metadata row of our slot `slot` at destination r: lane 0 the token id, lane i the local expert of top-k
+// slot i-1 there (meta_value is this lane's entry). NVLink peers get stores, other peers a put from the
+// registered staging rows.
+__device__ __forceinline__ void send_meta(const Params& p, const PeerTable& peers, int r, int slot, int meta_value) {
+  const int lane = threadIdx.x & 31, k = p.top_k;
+  const int64_t mstride = meta_stride(k);
+  const int64_t row = static_cast<int64_t>(p.rank) * p.max_tokens_per_rank + slot;
+  if (use_p2p(peers, r)) {
+    int* meta = reinterpret_cast<int*>(peers.base[r] + p.sym_off.recv_meta) + row * mstride;
+    if (lane <= k) meta[lane] = meta_value;
+  } else {
+    int* meta_stage = sym_ptr<int>(p, p.sym_off.send_meta) + (static_cast<int64_t>(r) * p.max_tokens_per_rank + slot) * mstride;
+    if (lane <= k) meta_stage[lane] = meta_value;
+    __syncwarp();
+    nvshmemx_putmem_nbi_warp(sym_ptr<int>(p, p.sym_off.recv_meta) + row * mstride, meta_stage, mstride * 4, r);
+  }
+}
+
 // fp8: quantise token t's row and store it to every destination in `leaders` (lane L holds destination
 // dest and slot my_slot for leader L); proxied destinations get it through the staging rows, put afterwards.
 __device__ __forceinline__ void send_row_fp8(const Params& p, const PeerTable& peers, int t, unsigned leaders, int dest,
@@ -123,50 +141,34 @@ __device__ int dispatch_tokens(const Params& p, const PeerTable& peers) {
         leaders &= leaders - 1;
         const int r = __shfl_sync(0xffffffffu, dest, L);
         const int slot = __shfl_sync(0xffffffffu, my_slot, L);
-        const int meta_value = lane == 0 ? t : (dest_prev == r ? local_prev : -1);
-        const int64_t row = static_cast<int64_t>(p.rank) * p.max_tokens_per_rank + slot;
         ++rows_sent;
-        if (use_p2p(peers, r)) {
-          int* meta = reinterpret_cast<int*>(peers.base[r] + p.sym_off.recv_meta) + row * mstride;
-          if (lane <= k) meta[lane] = meta_value;
-        } else {
-          int* meta_stage = sym_ptr<int>(p, p.sym_off.send_meta) + (static_cast<int64_t>(r) * p.max_tokens_per_rank + slot) * mstride;
-          if (lane <= k) meta_stage[lane] = meta_value;
-          __syncwarp();
-          nvshmemx_putmem_nbi_warp(sym_ptr<int>(p, p.sym_off.recv_meta) + row * mstride, meta_stage, mstride * 4, r);
-        }
+        send_meta(p, peers, r, slot, lane == 0 ? t : (dest_prev == r ? local_prev : -1));
       }
       send_row_fp8(p, peers, t, all_leaders, dest, my_slot);
     } else {
-    while (leaders) {
-      const int L = __ffs(leaders) - 1;
-      leaders &= leaders - 1;
-      const int r = __shfl_sync(0xffffffffu, dest, L);
-      const int slot = __shfl_sync(0xffffffffu, my_slot, L);
-      const int meta_value = lane == 0 ? t : (dest_prev == r ? local_prev : -1);
-      const int64_t row = static_cast<int64_t>(p.rank) * p.max_tokens_per_rank + slot;  // our rows at the destination
-      ++rows_sent;
-
-      if (use_p2p(peers, r)) {
-        int* meta = reinterpret_cast<int*>(peers.base[r] + p.sym_off.recv_meta) + row * mstride;
-        if (lane <= k) meta[lane] = meta_value;
-        uint4* dst = reinterpret_cast<uint4*>(peers.base[r] + p.sym_off.recv_tokens) + row * vec_per_row;
-        for (int i = lane; i < vec_per_row; i += 32) dst[i] = __ldg(src_row + i);
-      } else {
-        if (!staged) {  // registered source memory for the NIC, staged once per token
-          uint4* stage = sym_ptr<uint4>(p, p.sym_off.send_tokens) + static_cast<int64_t>(t) * vec_per_row;
-          for (int i = lane; i < vec_per_row; i += 32) stage[i] = __ldg(src_row + i);
-          staged = true;
-          __syncwarp();
+      while (leaders) {
+        const int L = __ffs(leaders) - 1;
+        leaders &= leaders - 1;
+        const int r = __shfl_sync(0xffffffffu, dest, L);
+        const int slot = __shfl_sync(0xffffffffu, my_slot, L);
+        const int64_t row = static_cast<int64_t>(p.rank) * p.max_tokens_per_rank + slot;  // our rows at the destination
+        ++rows_sent;
+        if (use_p2p(peers, r)) {
+          send_meta(p, peers, r, slot, lane == 0 ? t : (dest_prev == r ? local_prev : -1));
+          uint4* dst = reinterpret_cast<uint4*>(peers.base[r] + p.sym_off.recv_tokens) + row * vec_per_row;
+          for (int i = lane; i < vec_per_row; i += 32) dst[i] = __ldg(src_row + i);
+        } else {
+          if (!staged) {  // registered source memory for the NIC, staged once per token
+            uint4* stage = sym_ptr<uint4>(p, p.sym_off.send_tokens) + static_cast<int64_t>(t) * vec_per_row;
+            for (int i = lane; i < vec_per_row; i += 32) stage[i] = __ldg(src_row + i);
+            staged = true;
+            __syncwarp();
+          }
+          send_meta(p, peers, r, slot, lane == 0 ? t : (dest_prev == r ? local_prev : -1));
+          nvshmemx_putmem_nbi_warp(sym_ptr<bf16>(p, p.sym_off.recv_tokens) + row * H,
+                                   sym_ptr<bf16>(p, p.sym_off.send_tokens) + static_cast<int64_t>(t) * H, H * 2, r);
         }
-        int* meta_stage = sym_ptr<int>(p, p.sym_off.send_meta) + (static_cast<int64_t>(r) * p.max_tokens_per_rank + slot) * mstride;
-        if (lane <= k) meta_stage[lane] = meta_value;
-        __syncwarp();
-        nvshmemx_putmem_nbi_warp(sym_ptr<int>(p, p.sym_off.recv_meta) + row * mstride, meta_stage, mstride * 4, r);
-        nvshmemx_putmem_nbi_warp(sym_ptr<bf16>(p, p.sym_off.recv_tokens) + row * H,
-                                 sym_ptr<bf16>(p, p.sym_off.send_tokens) + static_cast<int64_t>(t) * H, H * 2, r);
       }
-    }
     }
   }
   return rows_sent;

@@ -308,6 +308,22 @@ __device__ __forceinline__ void produce_tile(const Params& p, const GemmSmem& g,
   });
 }
 
+// Consumers: wait until the current stage has landed (trace builds time the wait), then make its cp.async
+// token rows (generic proxy) visible to wgmma (async proxy).
+__device__ __forceinline__ void wait_stage_full(const Params& p, const GemmSmem& g, PipeState& st, int ks) {
+#if FLASHMOE_TRACE
+  const uint64_t wait_start = clock64();
+  pipe_wait(p, g, g.full(st.stage), st.phase());
+  const uint64_t landed = clock64();
+  st.trace_wait += landed - wait_start;
+  if (ks == 0) st.trace_first_full = landed;
+#else
+  (void)ks;
+  pipe_wait(p, g, g.full(st.stage), st.phase());
+#endif
+  fence_proxy_async();
+}
+
 // Consumer side of one tile: acc[h] = 64 weight rows x N tokens over K, for the consumer's kHalves row halves
 // (ping-pong: both halves of the tile; split: the consumer's own half).
 template <int N, int kHalves = ping_pong(N, false) ? 2 : 1>
@@ -324,16 +340,7 @@ __device__ __forceinline__ void consume_tile(const Params& p, const GemmSmem& g,
   st.trace_wait = 0;
 #endif
   do {  // k_steps >= 1 (K is a multiple of kTileK); a do-loop keeps ptxas's wgmma pipeline analysis simple
-#if FLASHMOE_TRACE
-    const uint64_t wait_start = clock64();
-    pipe_wait(p, g, g.full(st.stage), st.phase());
-    const uint64_t landed = clock64();
-    st.trace_wait += landed - wait_start;
-    if (ks == 0) st.trace_first_full = landed;
-#else
-    pipe_wait(p, g, g.full(st.stage), st.phase());
-#endif
-    fence_proxy_async();  // the token rows arrived through cp.async (generic proxy)
+    wait_stage_full(p, g, st, ks);
     const uint32_t stage = smem_addr(g.stage(st.stage, N));
     const uint64_t b = sw128_desc(stage + kStageWeightBytes);
     wgmma_fence();
@@ -376,16 +383,7 @@ __device__ __forceinline__ void consume_tile_fp8(const Params& p, const GemmSmem
   st.trace_wait = 0;
 #endif
   do {
-#if FLASHMOE_TRACE
-    const uint64_t wait_start = clock64();
-    pipe_wait(p, g, g.full(st.stage), st.phase());
-    const uint64_t landed = clock64();
-    st.trace_wait += landed - wait_start;
-    if (ks == 0) st.trace_first_full = landed;
-#else
-    pipe_wait(p, g, g.full(st.stage), st.phase());
-#endif
-    fence_proxy_async();  // the token rows arrived through cp.async (generic proxy)
+    wait_stage_full(p, g, st, ks);
     const uint32_t stage = smem_addr(g.stage(st.stage, N));
     const uint64_t b = sw128_desc(stage + kStageWeightBytes);
     const float* scales = g.scales(st.stage);
