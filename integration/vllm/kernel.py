@@ -3,13 +3,17 @@
 The megakernel does dispatch, both expert GEMMs and the combine itself, so the prepare/finalize
 half is a pass-through that tells vLLM the output is already reduced across the EP group (vLLM
 then skips its naive dispatch/combine and the final all-reduce), and the experts half hands the
-router's ``(topk_ids, topk_weights)`` and the layer's weights to :class:`flashmoe.FlashMoE`.
+router's ``(topk_ids, topk_weights)`` and the layer's weights (and, for block-fp8 layers, their
+``*_weight_scale_inv``) to :class:`flashmoe.FlashMoE`, with the hidden states unquantized: the op
+quantises them itself.
 Routing stays in vLLM; ``--all2all-backend`` stays at its default and allocates nothing.
 Under TP+EP (tokens replicated over the EP group) the experts half runs FlashMoE on the rank's slice
 of the tokens and all-gathers the combined slices (:mod:`.token_slicing`).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from flashmoe import FlashMoE
@@ -41,11 +45,22 @@ class FlashMoEPrepareFinalize(compat.prepare_finalize_base()):
 class FlashMoEExperts(mk.FusedMoEExpertsModular):
     """Runs one layer's :class:`flashmoe.FlashMoE` (megakernel on Hopper, reference elsewhere)."""
 
-    def __init__(self, moe_config, quant_config, flashmoe: FlashMoE, token_mode: str, ep_group=None):
+    def __init__(
+        self,
+        moe_config,
+        quant_config,
+        flashmoe: FlashMoE,
+        token_mode: str,
+        ep_group=None,
+        scales: dict[str, torch.Tensor] | None = None,
+    ):
         """``token_mode``: :data:`.token_slicing.TP_SLICED` or ``FULL``; ``ep_group``: vLLM's EP
-        ``GroupCoordinator`` (needed for the all-gather in tp-sliced mode)."""
+        ``GroupCoordinator`` (needed for the all-gather in tp-sliced mode); ``scales``: the
+        ``w13_scale_inv``/``w2_scale_inv`` keyword arguments of every call (block-fp8 layers: the
+        layer's ``*_weight_scale_inv`` parameters, read in place)."""
         super().__init__(moe_config, quant_config)
         self.flashmoe = flashmoe
+        self.scales = dict(scales or {})
         self.token_mode = token_mode
         if token_mode == TP_SLICED and (ep_group is None or ep_group.world_size != flashmoe.world_size):
             raise ValueError("tp-sliced token mode needs the EP group FlashMoE runs over")
@@ -65,7 +80,19 @@ class FlashMoEExperts(mk.FusedMoEExpertsModular):
 
     @staticmethod
     def _supports_quant_scheme(weight_key, activation_key) -> bool:
-        return weight_key is None and activation_key is None
+        from vllm.model_executor.layers.quantization.utils.quant_utils import (
+            kFp8Dynamic128Sym,
+            kFp8Static128BlockSym,
+        )
+
+        # bf16, or block-fp8 weights with per-token-group activations (quantised inside the op).
+        return (weight_key, activation_key) in ((None, None), (kFp8Static128BlockSym, kFp8Dynamic128Sym))
+
+    @property
+    def expects_unquantized_inputs(self) -> bool:
+        # The op takes bf16 hidden states and quantises them itself (once per token, in dispatch):
+        # the prepare step must not quantise them for an fp8 quant config.
+        return True
 
     @staticmethod
     def _supports_activation(activation: MoEActivation) -> bool:
@@ -105,9 +132,10 @@ class FlashMoEExperts(mk.FusedMoEExpertsModular):
         # (rank, local slot), so vLLM's expert_map is not needed here.
         topk_ids = topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)
         topk_weights = topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()
+        moe = functools.partial(self.flashmoe, **self.scales) if self.scales else self.flashmoe
         if self.token_mode == TP_SLICED:
             sliced_forward(
-                self.flashmoe,
+                moe,
                 hidden_states,
                 topk_ids,
                 topk_weights,
@@ -119,7 +147,7 @@ class FlashMoEExperts(mk.FusedMoEExpertsModular):
                 self._all_gather_rows,
             )
         else:
-            self.flashmoe(hidden_states, topk_ids, topk_weights, w1, w2, out=output)
+            moe(hidden_states, topk_ids, topk_weights, w1, w2, out=output)
         return None
 
     def _all_gather_rows(self, part: torch.Tensor) -> torch.Tensor:

@@ -1,24 +1,28 @@
-"""The unquantized MoE method that vLLM instantiates when the plugin is loaded.
+"""The MoE methods that vLLM instantiates when the plugin is loaded.
 
-Registered out-of-tree under ``UnquantizedFusedMoEMethod`` (vLLM looks OOT classes up by the
-in-tree class name), so every unquantized MoE layer is built through it, whatever the
-``--moe-backend``. Without ``--moe-backend flashmoe`` it is exactly vLLM's method. With it:
+:class:`FlashMoEUnquantizedMethod` is registered out-of-tree under ``UnquantizedFusedMoEMethod``
+(vLLM looks OOT classes up by the in-tree class name), so every unquantized MoE layer is built
+through it, whatever the ``--moe-backend``. Block-fp8 layers get :class:`.fp8_method.FlashMoEFp8Method`
+the same way through the registered ``fp8`` quantization config. Without ``--moe-backend flashmoe``
+either is exactly vLLM's method. With it (:class:`FlashMoEServing`, shared by both):
 
 - ``__init__`` lets vLLM's oracle pick its own kernel as if ``moe_backend`` were ``auto`` (that is
   the per-layer fallback, and no oracle ever sees the name ``flashmoe``);
 - ``process_weights_after_loading`` leaves the weights in vLLM's layout (``w13 [E_local, 2I, H]``
-  gate rows first, ``w2 [E_local, H, I]``), gathers the EP placement, and builds the layer's
-  :class:`flashmoe.FlashMoE`. That happens while vLLM loads the model, before it profiles memory
-  and captures CUDA graphs, so the process-wide symmetric buffers are counted against the KV
-  cache and exist at fixed addresses when graphs are captured.
+  gate rows first, ``w2 [E_local, H, I]``, and for fp8 their ``*_weight_scale_inv``), gathers the
+  EP placement, and builds the layer's :class:`flashmoe.FlashMoE`. That happens while vLLM loads
+  the model, before it profiles memory and captures CUDA graphs, so the process-wide symmetric
+  buffers are counted against the KV cache and exist at fixed addresses when graphs are captured.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 from flashmoe import ExpertPlacement, FlashMoE, MoELayerSpec, config, metrics
-from flashmoe.backend import REFERENCE
+from flashmoe.backend import REFERENCE, UNQUANTIZED, WeightFormat
 from flashmoe.errors import FlashMoEError, FlashMoEUnsupported
 from vllm.model_executor.layers.fused_moe import modular_kernel as mk
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation
@@ -33,21 +37,41 @@ from .token_slicing import TP_SLICED, sliced_max_tokens, token_mode
 _logged_layer_types: set[tuple] = set()
 
 
-class FlashMoEUnquantizedMethod(UnquantizedFusedMoEMethod):
-    def __init__(self, moe):
+class FlashMoEServing:
+    """The flashmoe half of a vLLM MoE method; mixed in before the vLLM method it extends.
+
+    Subclasses call :meth:`_init_serving` from ``__init__`` and say what their weights are
+    (:meth:`_weight_format`, :meth:`_scale_kwargs`) and which vLLM kernel a fallback uses
+    (:meth:`_vllm_kernel_name`). A layer that flashmoe cannot serve falls back, alone, to what vLLM
+    chose under ``auto`` (one log line per reason; ``FLASHMOE_STRICT=1`` makes it an error)."""
+
+    def _init_serving(self, moe, init_vllm_method) -> None:
         self.serves_flashmoe = moe.moe_backend == compat.BACKEND_NAME
         self.flashmoe: FlashMoE | None = None
         self.fallback_reason: str | None = None
         if not self.serves_flashmoe:
-            super().__init__(moe)
+            init_vllm_method()
             return
         # vLLM's oracle rejects unknown names; let it choose what it would under "auto" (used if
         # this layer falls back), then put the name back for anything reading the config later.
         moe.moe_backend = "auto"
         try:
-            super().__init__(moe)
+            init_vllm_method()
         finally:
             moe.moe_backend = compat.BACKEND_NAME
+
+    def _weight_format(self) -> WeightFormat:
+        return UNQUANTIZED
+
+    def _scale_kwargs(self, layer) -> dict[str, torch.Tensor]:
+        """The extra tensors each FlashMoE call takes (fp8: the block scales)."""
+        return {}
+
+    def _vllm_kernel_name(self) -> str:
+        raise NotImplementedError
+
+    def _flashmoe_quant_config(self, layer):
+        return self.get_fused_moe_quant_config(layer)
 
     @property
     def is_monolithic(self) -> bool:
@@ -69,12 +93,17 @@ class FlashMoEUnquantizedMethod(UnquantizedFusedMoEMethod):
             # A weight reload: loaders copied into the same parameters, which FlashMoE reads on
             # every call, and CUDA graphs hold those addresses. Nothing to rebuild.
             return
+        if not self._serve_with_flashmoe(layer):
+            super().process_weights_after_loading(layer)
 
-        reason = unsupported_layer_reason(layer, self.moe)
+    def _serve_with_flashmoe(self, layer) -> bool:
+        """Build the layer's FlashMoE and modular kernel; False (logged) if the layer falls back."""
+        weights = self._weight_format()
+        reason = unsupported_layer_reason(layer, self.moe, weights)
         mode, mode_why = token_mode(self.moe.moe_parallel_config)
         if reason is None:
             try:
-                self.flashmoe = build_flashmoe(layer, self.moe, mode)
+                self.flashmoe = build_flashmoe(layer, self.moe, mode, weights)
             except FlashMoEUnsupported:
                 raise  # FLASHMOE_STRICT / FLASHMOE_BACKEND=megakernel: the user asked for an error
             except FlashMoEError as e:  # JIT build or NVSHMEM init failed on this worker
@@ -95,13 +124,13 @@ class FlashMoEUnquantizedMethod(UnquantizedFusedMoEMethod):
                 ("fallback", reason),
                 "flashmoe: %s falls back to vLLM's %s kernel: %s",
                 layer.layer_name,
-                self.unquantized_backend.value,
+                self._vllm_kernel_name(),
                 reason,
             )
-            return super().process_weights_after_loading(layer)
+            return False
 
         compat.ensure_moe_workspace(layer.w13_weight.device)
-        self.moe_quant_config = self.get_fused_moe_quant_config(layer)
+        self.moe_quant_config = self._flashmoe_quant_config(layer)
         from vllm.distributed import get_ep_group
 
         self.moe_kernel = mk.FusedMoEKernel(
@@ -112,16 +141,28 @@ class FlashMoEUnquantizedMethod(UnquantizedFusedMoEMethod):
                 self.flashmoe,
                 mode,
                 get_ep_group() if mode == TP_SLICED else None,
+                self._scale_kwargs(layer),
             ),
         )
         _log_layer(self.flashmoe)
         _log_once(
             ("token_mode", mode, mode_why), "flashmoe: MoE layers run in token mode %s (%s)", mode, mode_why
         )
+        return True
 
 
-def unsupported_layer_reason(layer, moe) -> str | None:
+class FlashMoEUnquantizedMethod(FlashMoEServing, UnquantizedFusedMoEMethod):
+    def __init__(self, moe):
+        self._init_serving(moe, functools.partial(UnquantizedFusedMoEMethod.__init__, self, moe))
+
+    def _vllm_kernel_name(self) -> str:
+        return self.unquantized_backend.value
+
+
+def unsupported_layer_reason(layer, moe, weights: WeightFormat = UNQUANTIZED) -> str | None:
     """What in this layer's definition the flashmoe op does not compute (None if it does)."""
+    if weights.weight_dtype is not None and moe.in_dtype != torch.bfloat16:
+        return f"{str(moe.in_dtype).removeprefix('torch.')} activations (block-fp8 experts take bf16 activations)"
     if moe.activation != MoEActivation.SILU or not moe.is_act_and_mul:
         return f"activation {moe.activation.value} (flashmoe computes SwiGLU: silu(gate) * up)"
     if moe.has_bias:
@@ -135,7 +176,7 @@ def unsupported_layer_reason(layer, moe) -> str | None:
     return None
 
 
-def build_flashmoe(layer, moe, mode: str) -> FlashMoE:
+def build_flashmoe(layer, moe, mode: str, weights: WeightFormat = UNQUANTIZED) -> FlashMoE:
     """The layer's FlashMoE over vLLM's EP group, sized from vLLM's configs (in tp-sliced token
     mode a rank dispatches at most ceil(max_num_tokens / W) tokens, so the buffers shrink too)."""
     from vllm.distributed import get_ep_group
@@ -152,16 +193,12 @@ def build_flashmoe(layer, moe, mode: str) -> FlashMoE:
         hidden_size=w13.shape[2],  # the weights' (possibly padded) sizes are what the kernel reads
         intermediate_size=w2.shape[2],
         max_tokens_per_rank=max_tokens,  # FlashMoE applies FLASHMOE_MAX_TOKENS
-        dtype=w13.dtype,
+        # fp8 weights: the activations are the model's dtype (bf16), the weights e4m3.
+        dtype=moe.in_dtype if weights.weight_dtype is not None else w13.dtype,
+        weight_dtype=weights.weight_dtype,
     )
     return FlashMoE(
-        spec,
-        placement,
-        ep.device_group,
-        cpu_group=ep.cpu_group,
-        layer_name=layer.layer_name,
-        device=w13.device,
-        quantized=False,
+        spec, placement, ep.device_group, cpu_group=ep.cpu_group, layer_name=layer.layer_name, device=w13.device
     )
 
 
@@ -192,6 +229,7 @@ def _log_layer(moe: FlashMoE) -> None:
     key = (
         moe.backend,
         moe.reason,
+        s.weight_dtype,
         s.num_experts,
         s.top_k,
         s.hidden_size,
@@ -208,7 +246,7 @@ def _log_layer(moe: FlashMoE) -> None:
         s.top_k,
         s.hidden_size,
         s.intermediate_size,
-        str(s.dtype).removeprefix("torch."),
+        str(s.dtype).removeprefix("torch.") + (" block-fp8 weights" if s.fp8_weights else ""),
         moe.backend,
         moe.reason,
         moe.rank,

@@ -11,6 +11,11 @@ the same seed is byte-for-byte the same model.
 The tokenizer is a word-level ``tokenizers`` model over synthetic two-syllable words, split on
 whitespace; :func:`prompt_words` gives prompts it encodes without unknown tokens.
 
+:func:`make_tiny_qwen3_moe_fp8` writes the block-fp8 variant (issue 15): expert intermediate 128 (one
+fp8 block), experts stored as DeepSeek-V3 / Qwen3-*-FP8 checkpoints store them (e4m3 weights, one
+fp32 ``weight_scale_inv`` per 128x128 block, ``quantization_config`` with ``weight_block_size``
+[128, 128]); attention, router and LM head stay bf16 (``modules_to_not_convert``).
+
 Needs ``transformers`` and ``tokenizers`` (both come with vLLM and SGLang).
 """
 
@@ -52,14 +57,14 @@ def prompt_words(n: int, seed: int) -> str:
     return " ".join(rng.choice(words) for _ in range(n))
 
 
-def qwen3_moe_config(dtype: str = "bfloat16"):
+def qwen3_moe_config(dtype: str = "bfloat16", moe_intermediate_size: int = MOE_INTERMEDIATE_SIZE):
     from transformers import Qwen3MoeConfig
 
     return Qwen3MoeConfig(
         vocab_size=VOCAB_SIZE,
         hidden_size=HIDDEN_SIZE,
         intermediate_size=256,  # dense MLP size; unused (every layer is sparse)
-        moe_intermediate_size=MOE_INTERMEDIATE_SIZE,
+        moe_intermediate_size=moe_intermediate_size,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
@@ -227,6 +232,113 @@ def make_tiny_qwen3_moe(path: str | Path, seed: int = 0) -> Path:
     make_tokenizer().save_pretrained(path)
     marker.write_text(json.dumps({"seed": seed, "architecture": "Qwen3MoeForCausalLM"}))
     return path
+
+
+FP8_MOE_INTERMEDIATE_SIZE = 128  # one 128x128 block: block-fp8 experts need whole blocks
+FP8_BLOCK = [128, 128]
+
+
+def make_tiny_qwen3_moe_fp8(path: str | Path, seed: int = 0) -> Path:
+    """The tiny Qwen3-MoE with block-fp8 experts (module docstring): config, safetensors and
+    tokenizer in ``path``; idempotent like :func:`make_tiny_qwen3_moe`.
+
+    Only the experts are fp8: vLLM's CPU platform has no block-fp8 linear kernel without AMX
+    (``CPUFp8BlockScaledMMKernel requires AMX tile support``), so attention, the router gates and
+    the LM head are listed in ``modules_to_not_convert`` and stay bf16, as some real fp8
+    checkpoints keep theirs."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen3MoeForCausalLM
+
+    from flashmoe.fp8 import quantize_weight_blocks
+
+    path = Path(path)
+    marker = path / "flashmoe_tiny_model.json"
+    want = {"seed": seed, "architecture": "Qwen3MoeForCausalLM", "experts": "fp8_block_128"}
+    if marker.exists() and json.loads(marker.read_text()) == want:
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    cfg = qwen3_moe_config(moe_intermediate_size=FP8_MOE_INTERMEDIATE_SIZE)
+    model = Qwen3MoeForCausalLM(cfg).to(torch.bfloat16).eval()
+    model.save_pretrained(path, safe_serialization=True)
+    make_tokenizer().save_pretrained(path)
+
+    weights_file = path / "model.safetensors"
+    tensors = {}
+    for name, t in load_file(weights_file).items():
+        if ".mlp.experts." in name and name.endswith(".weight"):  # gate_proj, up_proj, down_proj
+            q, scale_inv = quantize_weight_blocks(t, FP8_BLOCK[0])
+            tensors[name] = q
+            tensors[name.removesuffix("weight") + "weight_scale_inv"] = scale_inv
+        else:
+            tensors[name] = t
+    save_file(tensors, str(weights_file), metadata={"format": "pt"})
+
+    config = json.loads((path / "config.json").read_text())
+    kept_bf16 = [
+        f"model.layers.{i}.{m}"
+        for i in range(cfg.num_hidden_layers)
+        for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate")
+    ] + ["lm_head"]
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": FP8_BLOCK,
+        "modules_to_not_convert": kept_bf16,
+    }
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    marker.write_text(json.dumps(want))
+    return path
+
+
+def fp8_prompt_logprobs(path: str | Path, prompts: list[list[int]]) -> list[list[float]]:
+    """For each token-id prompt, the log-probability of every token after the first given the ones
+    before it, from transformers' Qwen3MoeForCausalLM (bf16) on the checkpoint of
+    :func:`make_tiny_qwen3_moe_fp8`, its experts computed by :func:`flashmoe.moe_reference_fp8` on the
+    checkpoint's e4m3 weights and scales: the fp8 ground truth outside any serving engine."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import Qwen3MoeForCausalLM
+
+    from flashmoe import moe_reference_fp8
+
+    class ReferenceFp8Experts(torch.nn.Module):
+        def __init__(self, w13, w13_scale_inv, w2, w2_scale_inv):
+            super().__init__()
+            self.weights = (w13, w13_scale_inv, w2, w2_scale_inv)
+
+        def forward(self, hidden_states, top_k_index, top_k_weights):  # transformers' experts call
+            ids, weights = top_k_index.to(torch.int32), top_k_weights.float()
+            return moe_reference_fp8(hidden_states, ids, weights, *self.weights).to(hidden_states.dtype)
+
+    path = Path(path)
+    cfg = qwen3_moe_config(moe_intermediate_size=FP8_MOE_INTERMEDIATE_SIZE)
+    model = Qwen3MoeForCausalLM(cfg).to(torch.bfloat16).eval()
+    tensors = load_file(path / "model.safetensors")
+    dense = {k: v for k, v in tensors.items() if ".mlp.experts." not in k}
+    missing, unexpected = model.load_state_dict(dense, strict=False)
+    if unexpected or any(".mlp.experts." not in k for k in missing):
+        raise ValueError(f"{path} is not a tiny fp8 Qwen3-MoE: missing {missing}, unexpected {unexpected}")
+    for i, layer in enumerate(model.model.layers):
+        p = f"model.layers.{i}.mlp.experts."
+
+        def stack(*names, p=p):
+            return torch.stack([torch.cat([tensors[f"{p}{e}.{n}"] for n in names]) for e in range(NUM_EXPERTS)])
+
+        layer.mlp.experts = ReferenceFp8Experts(
+            stack("gate_proj.weight", "up_proj.weight"),  # w13: gate rows, then up rows
+            stack("gate_proj.weight_scale_inv", "up_proj.weight_scale_inv"),
+            stack("down_proj.weight"),
+            stack("down_proj.weight_scale_inv"),
+        )
+    out = []
+    with torch.no_grad():
+        for ids in prompts:
+            logprobs = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+            out.append([float(logprobs[i - 1, ids[i]]) for i in range(1, len(ids))])
+    return out
 
 
 def greedy_reference(path: str | Path, prompts: list[str], max_tokens: int, dtype=None) -> list[list[int]]:
