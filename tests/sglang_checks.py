@@ -3,8 +3,9 @@
 SGLang pins a CUDA torch that cannot share an environment with the CPU torch the rest of the suite
 uses, so these run as subprocesses and print one JSON line (``RESULT {...}``) for the test to assert on.
 
-    python tests/sglang_checks.py config MODEL_DIR
+    python tests/sglang_checks.py config MODEL_DIR [FP8_MODEL_DIR]
     python tests/sglang_checks.py layer MODEL_DIR RANK WORLD PORT
+    python tests/sglang_checks.py layer_fp8 FP8_MODEL_DIR RANK WORLD PORT OUT_DIR
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def _error(fn) -> str | None:
     return None
 
 
-def check_config(model_dir: str) -> dict:
+def check_config(model_dir: str, fp8_model_dir: str | None = None) -> dict:
     """Plugin loading, hook targets, CLI parsing and server-argument resolution (the launcher side)."""
     import pkgutil
 
@@ -117,7 +118,43 @@ def check_config(model_dir: str) -> dict:
     out["strict_cuda_error"] = _error(lambda: resolve(device="cuda", tp_size=2, attn_dp_size=2))
     del os.environ["FLASHMOE_STRICT"]
     out["unrelated_untouched"] = resolve(device="cpu", tp_size=2, attn_dp_size=2, moe_runner_backend="auto")
+    if fp8_model_dir is not None:
+        out.update(_check_fp8_config(fp8_model_dir, resolve))
     out["prometheus_end"] = "prometheus_client" in sys.modules
+    return out
+
+
+def _check_fp8_config(fp8_model_dir: str, resolve) -> dict:
+    """Block-fp8 checkpoints resolve to flashmoe; other fp8 variants fall back (strict: an error)."""
+    import shutil
+    import tempfile
+
+    from flashmoe.integration.sglang import resolution
+
+    out = {"fp8_cpu": resolve(model_path=fp8_model_dir, device="cpu", tp_size=2, attn_dp_size=2)}
+    messages = []
+    log_decision = resolution.logger.warning
+    resolution.logger.warning = lambda msg, *a: messages.append(msg % a if a else msg)
+    try:
+        for name, changes in (("per_tensor", {"weight_block_size": None}), ("ue8m0", {"scale_fmt": "ue8m0"})):
+            d = tempfile.mkdtemp()
+            shutil.copy(os.path.join(fp8_model_dir, "config.json"), d)
+            with open(os.path.join(d, "config.json")) as f:
+                cfg = json.load(f)
+            cfg["quantization_config"].update(changes)
+            cfg["quantization_config"] = {k: v for k, v in cfg["quantization_config"].items() if v is not None}
+            with open(os.path.join(d, "config.json"), "w") as f:
+                json.dump(cfg, f)
+            out[f"fp8_{name}"] = resolve(model_path=d, device="cpu", tp_size=2, attn_dp_size=2)
+            out[f"fp8_{name}_message"] = messages[-1] if messages else None
+            os.environ["FLASHMOE_STRICT"] = "1"
+            out[f"fp8_{name}_strict_error"] = _error(
+                lambda d=d: resolve(model_path=d, device="cpu", tp_size=2, attn_dp_size=2)
+            )
+            del os.environ["FLASHMOE_STRICT"]
+            shutil.rmtree(d)
+    finally:
+        resolution.logger.warning = log_decision
     return out
 
 
@@ -209,6 +246,122 @@ def check_layer(model_dir: str, rank: int, world: int, port: int) -> dict:
     return out
 
 
+def check_layer_fp8(model_dir: str, rank: int, world: int, port: int, out_dir: str) -> dict:
+    """One scheduler rank with a block-fp8 Qwen3-MoE block: SGLang's quantization config from the
+    checkpoint's config, SGLang's Fp8MoEMethod creating the e4m3 weights and fp32 scales, SGLang's
+    loader filling them, SGLang's post-load step, then the flashmoe forward. Saves what the op
+    received and returned (OUT_DIR/rank{RANK}.pt) for the test to compare with moe_reference_fp8."""
+    import torch
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    from flashmoe.fp8 import quantize_weight_blocks
+    from flashmoe.integration.sglang import runtime
+    from sglang.srt.configs.load_config import LoadConfig
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.distributed.bootstrap import init_parallel_runtime
+    from sglang.srt.layers.moe import initialize_moe_config
+    from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
+    from sglang.srt.model_loader.loader import DefaultModelLoader, _get_quantization_config
+    from sglang.srt.models.qwen3_moe import Qwen3MoeSparseMoeBlock
+    from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish
+    from sglang.srt.server_args import ServerArgs
+    from transformers import AutoConfig
+
+    sa = ServerArgs(
+        model_path=model_dir,
+        moe_runner_backend="flashmoe",
+        tp_size=world,
+        attn_dp_size=world,
+        device="cpu",
+        dtype="bfloat16",
+        skip_tokenizer_init=True,
+    )
+    publish(sa, role="scheduler", ranks=SpawnRanks(world_rank=rank, gpu_id=rank))
+    init_parallel_runtime(server_args=sa, device="cpu", dist_port=port)
+    initialize_moe_config()
+    parallel = get_parallel()
+    model_config = ModelConfig.from_server_args(sa)
+    quant_config = _get_quantization_config(model_config, LoadConfig())
+    out: dict = {
+        "moe_ep_rank": parallel.moe_ep_rank,
+        "quantization": model_config.quantization,
+        "quant_config": type(quant_config).__name__,
+    }
+
+    hf = AutoConfig.from_pretrained(model_dir)
+    E, H, I = hf.num_experts, hf.hidden_size, hf.moe_intermediate_size
+    torch.set_default_dtype(torch.bfloat16)
+    block = Qwen3MoeSparseMoeBlock(layer_id=0, config=hf, quant_config=quant_config, prefix="model.layers.0.mlp")
+    experts: FusedMoE = block.experts
+    out["method"] = type(experts.quant_method).__name__
+    out["params_created"] = {
+        n: [str(getattr(experts, n).dtype), list(getattr(experts, n).shape)]
+        for n in ("w13_weight", "w2_weight", "w13_weight_scale_inv", "w2_weight_scale_inv")
+    }
+
+    # One global block-fp8 checkpoint on every rank (seeded), as per-expert tensors.
+    g = torch.Generator().manual_seed(4321)
+    ckpt = {}
+    for e in range(E):
+        for proj, shape in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
+            q, scale_inv = quantize_weight_blocks(torch.randn(*shape, generator=g) / shape[1] ** 0.5)
+            ckpt[f"{e}.{proj}.weight"], ckpt[f"{e}.{proj}.weight_scale_inv"] = q, scale_inv
+    router = torch.randn(E, H, generator=g) / H**0.5
+    params = dict(experts.named_parameters())
+    for param_name, weight_name, expert_id, shard_id in FusedMoE.make_expert_params_mapping(
+        "gate_proj", "down_proj", "up_proj", E
+    ):
+        for suffix in ("weight", "weight_scale_inv"):  # what Qwen3MoeForCausalLM.load_weights maps
+            param = params[param_name.removeprefix("experts.") + suffix]
+            tensor = ckpt[weight_name.removeprefix("experts.") + suffix]
+            param.weight_loader(param, tensor, param_name + suffix, shard_id=shard_id, expert_id=expert_id)
+    block.gate.weight.data.copy_(router.to(torch.bfloat16))
+    loaded = {n: getattr(experts, n).data.clone() for n in ("w13_weight", "w2_weight", "w13_weight_scale_inv", "w2_weight_scale_inv")}
+    # SGLang's post-load step (quant_method.process_weights_after_loading for every module): under
+    # flashmoe it must leave the fp8 experts as loaded (on this CPU it would otherwise need AMX).
+    DefaultModelLoader.postprocess_weights(block, torch.device("cpu"))
+    out["postprocess_kept_weights"] = all(
+        torch.equal(getattr(experts, n).data.view(torch.uint8), t.view(torch.uint8)) for n, t in loaded.items()
+    )
+    runtime.load_model_hook(None, _LoadedRunner(block))
+    op = getattr(experts, runtime.LAYER_ATTR)
+    out["backend"] = op.backend
+    out["fp8_weights"] = op.spec.fp8_weights
+
+    calls = []
+    forward = op.forward
+
+    def recording_forward(*args, **kwargs):
+        y = forward(*args, **kwargs)
+        calls.append({"x": args[0], "ids": args[1], "w": args[2], "y": y.clone(),
+                      "scales_in_place": kwargs["w13_scale_inv"] is experts.w13_weight_scale_inv
+                      and kwargs["w2_scale_inv"] is experts.w2_weight_scale_inv})
+        return y
+
+    op.forward = recording_forward
+    T = (6, 2)[rank % 2]
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(77 + rank)).to(torch.bfloat16)
+    y = block(x)
+    del op.forward
+    out["calls"] = len(calls)
+    out["scales_in_place"] = all(c.pop("scales_in_place") for c in calls)
+    out["block_equals_op_output"] = bool(torch.equal(y, calls[0]["y"]))
+    # The global experts in the op's layout (gate rows, then up), for the test's reference.
+    w13 = torch.stack([torch.cat([ckpt[f"{e}.gate_proj.weight"], ckpt[f"{e}.up_proj.weight"]]) for e in range(E)])
+    s13 = torch.stack([torch.cat([ckpt[f"{e}.gate_proj.weight_scale_inv"], ckpt[f"{e}.up_proj.weight_scale_inv"]]) for e in range(E)])
+    w2 = torch.stack([ckpt[f"{e}.down_proj.weight"] for e in range(E)])
+    s2 = torch.stack([ckpt[f"{e}.down_proj.weight_scale_inv"] for e in range(E)])
+    local = slice(rank * (E // world), (rank + 1) * (E // world))
+    out["local_weights_match_checkpoint"] = all(
+        torch.equal(got.view(torch.uint8), want[local].contiguous().view(torch.uint8))
+        for got, want in ((experts.w13_weight.data, w13), (experts.w13_weight_scale_inv.data, s13),
+                          (experts.w2_weight.data, w2), (experts.w2_weight_scale_inv.data, s2))
+    )
+    torch.save({"call": calls[0], "w13": w13, "s13": s13, "w2": w2, "s2": s2}, os.path.join(out_dir, f"rank{rank}.pt"))
+    return out
+
+
 class _LoadedRunner:
     """What the load_model hook reads off SGLang's ModelRunner: the loaded model."""
 
@@ -235,9 +388,11 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.WARNING)
     try:
         if argv[0] == "config":
-            _emit(check_config(argv[1]))
+            _emit(check_config(argv[1], argv[2] if len(argv) > 2 else None))
         elif argv[0] == "layer":
             _emit(check_layer(argv[1], int(argv[2]), int(argv[3]), int(argv[4])))
+        elif argv[0] == "layer_fp8":
+            _emit(check_layer_fp8(argv[1], int(argv[2]), int(argv[3]), int(argv[4]), argv[5]))
         else:
             raise SystemExit(f"unknown check {argv[0]!r}")
     except Exception:

@@ -135,3 +135,29 @@ def test_flashmoe_quantized_flag_still_accepted():
 
 def test_unsupported_weights_description_is_kept():
     assert weights_unsupported_reason(unsupported_weights("int3 weights")).startswith("int3 weights: ")
+
+
+def test_block_fp8_layer_facts():
+    """Block-fp8 needs bf16 activations and whole 128-wide blocks on every backend; the reason says which."""
+    assert weights_unsupported_reason(FP8_BLOCK_128, hidden_size=2048, intermediate_size=768, dtype=torch.bfloat16) is None
+    why = weights_unsupported_reason(FP8_BLOCK_128, dtype=torch.float16)
+    assert why == "block-fp8 experts with float16 activations (flashmoe's fp8 path takes bf16)"
+    why = weights_unsupported_reason(FP8_BLOCK_128, hidden_size=2048, intermediate_size=192)
+    assert why == "block-fp8 experts with MoE intermediate size 192, not a multiple of the 128-wide block"
+    assert "hidden size 2100" in weights_unsupported_reason(FP8_BLOCK_128, hidden_size=2100)
+    # Unquantized layers are not held to the fp8 rules.
+    assert weights_unsupported_reason(UNQUANTIZED, intermediate_size=1408, dtype=torch.float16) is None
+
+
+def test_hf_quantization_config_reads_dicts_and_objects():
+    from types import SimpleNamespace
+
+    from flashmoe.backend import hf_quantization_config
+
+    class TransformersStyle:
+        def to_dict(self):
+            return dict(DEEPSEEK_V3_FP8)
+
+    assert hf_quantization_config(SimpleNamespace()) is None
+    assert hf_quantization_config(SimpleNamespace(), SimpleNamespace(quantization_config=QWEN3_FP8)) == QWEN3_FP8
+    assert hf_quantization_config(SimpleNamespace(quantization_config=TransformersStyle())) == DEEPSEEK_V3_FP8

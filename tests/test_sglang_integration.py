@@ -8,6 +8,9 @@ tests/sglang_checks.py there as a subprocess and these tests assert on the JSON 
   resolution (Engine(**kwargs) builds the same ServerArgs); refusals; CUDA fallback; unknown names.
 - layer: two scheduler ranks over gloo, set up by SGLang's own init_parallel_runtime; a Qwen3-MoE
   sparse block built and weight-loaded by SGLang; its forward through flashmoe vs a float64 oracle.
+- fp8 (issue 15): a block-fp8 checkpoint config resolves to flashmoe, other fp8 variants fall back
+  with a reason; the block built with SGLang's own Fp8Config/Fp8MoEMethod and loader, SGLang's
+  post-load step leaving the weights as loaded, and the output equal to moe_reference_fp8 bit for bit.
 """
 
 from __future__ import annotations
@@ -50,6 +53,18 @@ TINY_QWEN3_MOE = {
     "hidden_act": "silu",
     "torch_dtype": "bfloat16",
     "tie_word_embeddings": False,
+}
+
+# The same model with block-fp8 experts (the intermediate size one 128-wide block).
+TINY_QWEN3_MOE_FP8 = {
+    **TINY_QWEN3_MOE,
+    "moe_intermediate_size": 128,
+    "quantization_config": {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128],
+    },
 }
 
 if not SGLANG_PY.exists():
@@ -105,16 +120,22 @@ def _run(args: list[str], what: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def config(model_dir) -> dict:
-    return _run(["config", model_dir], "the SGLang config check")
+def fp8_model_dir(tmp_path_factory) -> str:
+    d = tmp_path_factory.mktemp("tiny-qwen3-moe-fp8")
+    (d / "config.json").write_text(json.dumps(TINY_QWEN3_MOE_FP8))
+    return str(d)
 
 
 @pytest.fixture(scope="module")
-def layer_ranks(model_dir) -> list[dict]:
+def config(model_dir, fp8_model_dir) -> dict:
+    return _run(["config", model_dir, fp8_model_dir], "the SGLang config check")
+
+
+def _run_ranks(mode: str, model_dir: str, *extra: str) -> list[dict]:
     port = free_port()
     procs = [
         subprocess.Popen(
-            [str(SGLANG_PY), str(CHECKS), "layer", model_dir, str(rank), "2", str(port)],
+            [str(SGLANG_PY), str(CHECKS), mode, model_dir, str(rank), "2", str(port), *extra],
             cwd=REPO,
             env=_sglang_env(),
             stdout=subprocess.PIPE,
@@ -137,6 +158,17 @@ def layer_ranks(model_dir) -> list[dict]:
                 p.kill()
                 p.wait(timeout=30)
     return outputs
+
+
+@pytest.fixture(scope="module")
+def layer_ranks(model_dir) -> list[dict]:
+    return _run_ranks("layer", model_dir)
+
+
+@pytest.fixture(scope="module")
+def fp8_layer_ranks(fp8_model_dir, tmp_path_factory) -> tuple[list[dict], Path]:
+    out_dir = tmp_path_factory.mktemp("sglang-fp8-layer")
+    return _run_ranks("layer_fp8", fp8_model_dir, str(out_dir)), out_dir
 
 
 # --------------------------------------------------------------------------- plugin loading and hooks
@@ -237,3 +269,55 @@ def test_layer_forward_matches_oracle(layer_ranks):
             # bf16 output rounding is 2^-8 relative; SGLang's loader or a swapped gate/up would be O(1).
             assert call["max_abs_err"] <= 2e-2 * max(call["scale"], 1e-3), (rank, call)
     assert [c["tokens"] for c in layer_ranks[1]["calls"]] == [3, 0]  # an idle rank still takes part
+
+
+# --------------------------------------------------------------------------- block-fp8 experts (issue 15)
+
+
+def test_block_fp8_checkpoint_resolves_to_flashmoe(config):
+    assert config["fp8_cpu"] == config["cpu"]  # the same declaration as for the bf16 model
+
+
+@pytest.mark.parametrize(
+    "name, words",
+    [("per_tensor", "per-tensor fp8 weights (no weight_block_size"), ("ue8m0", "UE8M0 scales (scale_fmt=ue8m0)")],
+)
+def test_other_fp8_variants_fall_back_with_reason(config, name, words):
+    assert config[f"fp8_{name}"]["moe_runner_backend"] == "auto"
+    assert config[f"fp8_{name}"]["moe_a2a_backend"] == "none"  # no deep_ep here: SGLang's default path
+    message = config[f"fp8_{name}_message"]
+    assert message.startswith("flashmoe: flashmoe cannot serve this model's experts (") and words in message, message
+    assert "falling back to SGLang's default MoE path" in message
+    error = config[f"fp8_{name}_strict_error"]
+    assert error.startswith("FlashMoEUnsupported: FLASHMOE_STRICT=1") and words in error, error
+
+
+def test_fp8_layer_is_built_and_loaded_by_sglang(fp8_layer_ranks):
+    ranks, _ = fp8_layer_ranks
+    for rank, r in enumerate(ranks):
+        assert r["moe_ep_rank"] == rank
+        assert (r["quantization"], r["quant_config"], r["method"]) == ("fp8", "Fp8Config", "Fp8MoEMethod")
+        assert r["params_created"] == {  # SGLang's layout: 4 local experts, one scale per 128x128 block
+            "w13_weight": ["torch.float8_e4m3fn", [4, 256, 128]],
+            "w2_weight": ["torch.float8_e4m3fn", [4, 128, 128]],
+            "w13_weight_scale_inv": ["torch.float32", [4, 2, 1]],
+            "w2_weight_scale_inv": ["torch.float32", [4, 1, 1]],
+        }
+        assert r["local_weights_match_checkpoint"]  # gate rows then up rows, this rank's experts
+        assert r["postprocess_kept_weights"]  # SGLang's post-load step changed nothing
+        assert (r["backend"], r["fp8_weights"]) == ("reference", True)
+        assert r["calls"] == 1 and r["scales_in_place"] and r["block_equals_op_output"]
+
+
+def test_fp8_layer_output_equals_reference_bit_for_bit(fp8_layer_ranks):
+    import torch
+    from flashmoe import moe_reference_fp8
+
+    _, out_dir = fp8_layer_ranks
+    for rank in range(2):
+        saved = torch.load(out_dir / f"rank{rank}.pt")
+        call = saved["call"]
+        assert call["x"].dtype == torch.bfloat16 and call["ids"].dtype == torch.int32
+        expected = moe_reference_fp8(call["x"], call["ids"], call["w"], saved["w13"], saved["s13"], saved["w2"], saved["s2"])
+        assert float(expected.float().norm()) > 0
+        assert torch.equal(call["y"], expected), f"rank {rank}"

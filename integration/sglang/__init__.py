@@ -83,6 +83,7 @@ def install() -> None:
         "post_experts_output_is_complete": runtime.output_is_complete_hook,
         "run_moe_core": runtime.run_moe_core_hook,
         "load_model": runtime.load_model_hook,
+        "process_weights_after_loading": runtime.fp8_process_weights_hook,
     }
     for target, hook_type in RUNTIME_HOOKS.items():
         HookRegistry.register(target, hook_fns[target.rsplit(".", 1)[1]], HookType[hook_type])

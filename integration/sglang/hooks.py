@@ -22,6 +22,9 @@ RUNTIME_HOOKS: dict[str, str] = {
     "sglang.srt.layers.moe.fused_moe_triton.layer.FusedMoE.run_moe_core": "AROUND",
     # Weights and buffers prepared after load, before KV sizing and CUDA-graph capture.
     "sglang.srt.model_executor.model_runner.ModelRunner.load_model": "AFTER",
+    # Block-fp8 experts are read in place: no platform re-layout of the loaded weights (the CPU
+    # path repacks them for AMX, the CUDA path is already a no-op for non-DeepGEMM runners).
+    "sglang.srt.layers.quantization.fp8.Fp8MoEMethod.process_weights_after_loading": "AROUND",
 }
 
 # Plain (non-HookRegistry) extension points, resolved by name for the same unit test.
@@ -42,6 +45,7 @@ EXTENSION_POINTS: tuple[str, ...] = (
     "sglang.srt.layers.moe.utils.get_moe_runner_backend",
     "sglang.srt.layers.moe.utils.MoeA2ABackend.CUSTOMIZED",
     "sglang.srt.layers.quantization.unquant.UnquantizedFusedMoEMethod",
+    "sglang.srt.layers.quantization.fp8.Fp8MoEMethod",
     "sglang.srt.runtime_context.get_parallel",
     "sglang.srt.runtime_context.cutedsl_moe_max_num_tokens",
 )

@@ -1,10 +1,12 @@
 """Server-argument resolution for ``--moe-runner-backend flashmoe`` (runs in the launcher).
 
 Wraps SGLang's ``handle_a2a_moe`` step. When flashmoe is selected it either declares
-``moe_a2a_backend=customized, ep_size=tp_size`` (flashmoe serves the MoE layers) or, on CUDA when
-the megakernel cannot serve the model, hands the layers back to SGLang's own path (``deepep`` if
-``deep_ep`` imports, else the default) with one log line saying why. Configurations flashmoe
-cannot serve correctly at all are refused here, with an error that names the flag to change.
+``moe_a2a_backend=customized, ep_size=tp_size`` (flashmoe serves the MoE layers) or hands the
+layers back to SGLang's own path (``deepep`` if ``deep_ep`` imports, else the default) with one log
+line saying why: on any platform when the checkpoint's experts are in a format flashmoe does not
+compute (anything but unquantized or block-fp8 128x128 with fp32 scales), and on CUDA when the
+megakernel cannot serve the model. Configurations flashmoe cannot serve correctly at all are
+refused here, with an error that names the flag to change.
 """
 
 from __future__ import annotations
@@ -15,7 +17,17 @@ from dataclasses import dataclass
 
 import torch
 from flashmoe import MoELayerSpec, config
-from flashmoe.backend import MEGAKERNEL, REFERENCE, deep_ep_importable, select_backend
+from flashmoe.backend import (
+    MEGAKERNEL,
+    REFERENCE,
+    WeightFormat,
+    deep_ep_importable,
+    hf_quantization_config,
+    select_backend,
+    weight_format_for,
+    weights_unsupported_reason,
+)
+from flashmoe.errors import FlashMoEUnsupported
 
 from .hooks import A2A_BACKEND, RUNNER_NAME, RUNTIME_HOOKS, runtime_hooks_applied
 
@@ -63,10 +75,21 @@ def decide(server_args) -> Resolution:
     cfg = resolving_view(server_args)
     _refuse_incompatible_flags(cfg)
     model_config = model_config_of(server_args)
-    spec = layer_spec_from_model(model_config, cfg)
-    quantized = _is_quantized(model_config, cfg)
+    weights = checkpoint_weight_format(model_config, cfg)
+    hf = model_config.hf_text_config
+    unreadable = weights_unsupported_reason(  # no flashmoe backend computes these experts
+        weights,
+        hidden_size=hf.hidden_size,
+        intermediate_size=_first_attr(hf, ("moe_intermediate_size", "intermediate_size")),
+        dtype=model_config.dtype,
+    )
+    if unreadable is not None:
+        if config.strict():
+            raise FlashMoEUnsupported(f"FLASHMOE_STRICT=1 and flashmoe cannot serve this model's experts: {unreadable}")
+        return _fallback(unreadable, "flashmoe cannot serve this model's experts")
+    spec = layer_spec_from_model(model_config, cfg, weights)
     device = _target_device(cfg.device)
-    choice = select_backend(spec, device, cfg.tp_size, quantized)  # raises under FLASHMOE_STRICT=1
+    choice = select_backend(spec, device, cfg.tp_size)  # raises under FLASHMOE_STRICT=1
 
     if choice.name != MEGAKERNEL and device.type == "cuda" and config.backend() != REFERENCE:
         return _fallback(choice.reason)
@@ -93,7 +116,14 @@ def decide(server_args) -> Resolution:
     )
 
 
-def layer_spec_from_model(model_config, cfg) -> MoELayerSpec:
+def checkpoint_weight_format(model_config, cfg) -> WeightFormat:
+    """The expert weight format: ``--quantization`` (or what SGLang resolved from the checkpoint) and
+    the checkpoint's ``quantization_config``."""
+    quant_cfg = hf_quantization_config(model_config.hf_config, getattr(model_config, "hf_text_config", None))
+    return weight_format_for(cfg.quantization or getattr(model_config, "quantization", None), quant_cfg)
+
+
+def layer_spec_from_model(model_config, cfg, weights: WeightFormat | None = None) -> MoELayerSpec:
     """The MoE layer shape as the scheduler's FusedMoE will see it (EP only: intermediate unsplit)."""
     hf = model_config.hf_text_config
     num_experts = _first_attr(hf, ("num_experts", "n_routed_experts", "num_local_experts"))
@@ -116,6 +146,7 @@ def layer_spec_from_model(model_config, cfg) -> MoELayerSpec:
         intermediate_size=intermediate,
         max_tokens_per_rank=max(1, cfg.chunked_prefill_size or 8192),  # for the decision; scheduler layers size buffers
         dtype=model_config.dtype,
+        weight_dtype=weights.weight_dtype if weights is not None else None,
     )
 
 
@@ -159,7 +190,7 @@ def _refuse_unsupported_shared_experts(model_config, cfg) -> None:
     )
 
 
-def _fallback(reason: str) -> Resolution:
+def _fallback(reason: str, what: str = "megakernel unavailable") -> Resolution:
     if deep_ep_importable():
         fields = {"moe_runner_backend": "auto", "moe_a2a_backend": "deepep"}
         target = "SGLang's deepep backend"
@@ -167,7 +198,7 @@ def _fallback(reason: str) -> Resolution:
         fields = {"moe_runner_backend": "auto", "moe_a2a_backend": "none"}
         target = "SGLang's default MoE path (deep_ep is not installed)"
     return Resolution(
-        fields, f"flashmoe: megakernel unavailable ({reason}); falling back to {target}", fallback=True
+        fields, f"flashmoe: {what} ({reason}); falling back to {target}", fallback=True
     )
 
 
@@ -175,10 +206,6 @@ def _target_device(device: str | None) -> torch.device:
     if device in (None, "", "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
-
-
-def _is_quantized(model_config, cfg) -> bool:
-    return bool(cfg.quantization or getattr(model_config, "quantization", None))
 
 
 def _first_attr(obj, names):

@@ -8,6 +8,12 @@ Flow of one SGLang MoE layer (``FusedMoE.forward_impl``) under ``--moe-runner-ba
 
 ``prepare_model`` builds each layer's :class:`flashmoe.FlashMoE` right after ``ModelRunner.load_model``
 (before KV-cache sizing and CUDA-graph capture), so nothing is allocated or compiled during capture.
+
+Weights: unquantized layers (``UnquantizedFusedMoEMethod``) and block-fp8 layers (``Fp8MoEMethod`` with
+``weight_block_size`` [128, 128]: ``w13_weight``/``w2_weight`` e4m3 and their fp32
+``w13_weight_scale_inv``/``w2_weight_scale_inv``). Both are read in place; for fp8 layers
+``Fp8MoEMethod.process_weights_after_loading`` is skipped (:func:`fp8_process_weights_hook`), so the
+loaded tensors are exactly the checkpoint's.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import logging
 
 import torch
 from flashmoe import ExpertPlacement, FlashMoE, MoELayerSpec, config, metrics
+from flashmoe.backend import FP8_BLOCK, FP8_BLOCK_128, UNQUANTIZED, WeightFormat
 
 from .hooks import RUNNER_NAME
 
@@ -104,6 +111,30 @@ def load_model_hook(result, model_runner, *args, **kwargs):
     return result
 
 
+def fp8_process_weights_hook(original, method, layer, *args, **kwargs):
+    """Under flashmoe a block-fp8 layer keeps its weights and scales as loaded (flashmoe reads them in
+    place); any other fp8 layer gets SGLang's processing (and is refused by prepare_layer)."""
+    if flashmoe_selected() and fp8_method_unsupported_reason(method) is None:
+        return None
+    return original(method, layer, *args, **kwargs)
+
+
+def fp8_method_unsupported_reason(method) -> str | None:
+    """None if an SGLang ``Fp8MoEMethod`` holds block-fp8 128x128 experts flashmoe reads in place."""
+    if getattr(method, "use_mxfp8", False):
+        return "MXFP8 experts"
+    if getattr(method, "is_fp4_expert", False):
+        return "FP4 experts in an fp8 checkpoint"
+    if not getattr(method, "block_quant", False):
+        return "per-tensor fp8 experts (no weight_block_size)"
+    block = list(method.weight_block_size or ())
+    if block != [FP8_BLOCK, FP8_BLOCK]:
+        return f"fp8 weight blocks {block} (flashmoe reads {FP8_BLOCK}x{FP8_BLOCK})"
+    if getattr(method.quant_config, "activation_scheme", "dynamic") != "dynamic":
+        return f"{method.quant_config.activation_scheme} activation scales"
+    return None
+
+
 _fallback_recorded = False
 
 
@@ -130,7 +161,10 @@ def run_flashmoe_layer(layer, dispatch_output):
     scale = layer._flashmoe_output_scale
     if scale is not None:
         topk_weights = topk_weights * scale  # the weighted sum is linear: fold the scale into the weights
-    out = op(dispatch_output.hidden_states, topk_ids, topk_weights, layer.w13_weight, layer.w2_weight)
+    scales = {}
+    if op.spec.fp8_weights:
+        scales = {"w13_scale_inv": layer.w13_weight_scale_inv, "w2_scale_inv": layer.w2_weight_scale_inv}
+    out = op(dispatch_output.hidden_states, topk_ids, topk_weights, layer.w13_weight, layer.w2_weight, **scales)
     return StandardCombineInput(hidden_states=out)
 
 
@@ -180,7 +214,7 @@ def prepare_layer(layer) -> FlashMoE:
     """Check that flashmoe computes exactly what SGLang's layer would, then build its FlashMoE op."""
     if getattr(layer, LAYER_ATTR, None) is not None:
         return getattr(layer, LAYER_ATTR)
-    _check_layer_semantics(layer)
+    weights = _check_layer_semantics(layer)
     from sglang.srt.runtime_context import get_parallel
 
     parallel = get_parallel()
@@ -196,7 +230,8 @@ def prepare_layer(layer) -> FlashMoE:
         hidden_size=layer.hidden_size,
         intermediate_size=layer.intermediate_size_per_partition,
         max_tokens_per_rank=max_tokens_per_rank(),
-        dtype=layer.params_dtype,
+        dtype=layer.params_dtype,  # the activations' (fp8 layers too: their weights are created e4m3)
+        weight_dtype=weights.weight_dtype,
     )
     group = parallel.moe_ep_group
     op = FlashMoE(
@@ -232,16 +267,31 @@ def _output_scale(layer) -> float | None:
     return float(factor)
 
 
-def _check_layer_semantics(layer) -> None:
+def layer_weight_format(layer) -> tuple[WeightFormat, str | None]:
+    """(format, None) for a layer whose weights flashmoe reads, else (format, why not)."""
+    from sglang.srt.layers.quantization.fp8 import Fp8MoEMethod
     from sglang.srt.layers.quantization.unquant import UnquantizedFusedMoEMethod
 
+    method = layer.quant_method
+    if isinstance(method, UnquantizedFusedMoEMethod):
+        return UNQUANTIZED, None
+    if type(method) is Fp8MoEMethod:
+        why = fp8_method_unsupported_reason(method)
+        if why is None and layer.params_dtype != torch.bfloat16:
+            why = f"{layer.params_dtype} activations (block-fp8 experts take bf16)"
+        return FP8_BLOCK_128, why
+    return UNQUANTIZED, (
+        f"quantization method {type(method).__name__} (flashmoe reads unquantized or block-fp8 128x128 experts)"
+    )
+
+
+def _check_layer_semantics(layer) -> WeightFormat:
     cfg = layer.moe_runner_config
     name = layer.layer_name or f"layer {layer.layer_id}"
     problems = []
-    if not isinstance(layer.quant_method, UnquantizedFusedMoEMethod):
-        problems.append(
-            f"quantization method {type(layer.quant_method).__name__} (flashmoe runs bf16 weights)"
-        )
+    weights, why = layer_weight_format(layer)
+    if why is not None:
+        problems.append(why)
     if cfg.activation != "silu" or not cfg.is_gated:
         problems.append(f"activation {cfg.activation!r} gated={cfg.is_gated} (flashmoe computes SwiGLU)")
     if cfg.gemm1_alpha is not None or cfg.gemm1_clamp_limit is not None or cfg.swiglu_limit is not None:
@@ -265,3 +315,4 @@ def _check_layer_semantics(layer) -> None:
         problems.append("w13 stored up-then-gate (load_up_proj_weight_first)")
     if problems:
         raise ValueError(f"flashmoe cannot serve MoE layer {name}: " + "; ".join(problems))
+    return weights

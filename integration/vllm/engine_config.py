@@ -29,6 +29,7 @@ from flashmoe.backend import (
     REFERENCE,
     WeightFormat,
     deep_ep_importable,
+    hf_quantization_config,
     megakernel_unsupported_reason_for,
     weight_format_for,
     weights_unsupported_reason,
@@ -104,7 +105,13 @@ def resolve(vllm_config) -> Fallback | None:
 
     platform = compat.platform_kind()
     weights = checkpoint_weight_format(model)
-    unreadable = weights_unsupported_reason(weights)  # no flashmoe backend computes these weights
+    text_config = model.hf_text_config
+    unreadable = weights_unsupported_reason(  # no flashmoe backend computes these experts
+        weights,
+        hidden_size=getattr(text_config, "hidden_size", None),
+        intermediate_size=getattr(text_config, "moe_intermediate_size", None),
+        dtype=model.dtype,
+    )
     if unreadable is not None:
         return _fall_back("flashmoe cannot serve this model's experts", unreadable, parallel)
     if platform == "cpu":
@@ -154,13 +161,7 @@ def _fall_back(what: str, reason: str, parallel) -> Fallback:
 def checkpoint_weight_format(model_config) -> WeightFormat:
     """The expert weight format of the model vLLM loads: its resolved ``quantization`` and the
     checkpoint's ``quantization_config`` (on the HF config or its text config)."""
-    quant_cfg = None
-    for hf in (model_config.hf_config, getattr(model_config, "hf_text_config", None)):
-        quant_cfg = getattr(hf, "quantization_config", None)
-        if quant_cfg is not None:
-            break
-    if quant_cfg is not None and not isinstance(quant_cfg, dict):  # a transformers QuantizationConfig
-        quant_cfg = quant_cfg.to_dict()
+    quant_cfg = hf_quantization_config(model_config.hf_config, getattr(model_config, "hf_text_config", None))
     return weight_format_for(model_config.quantization, quant_cfg)
 
 

@@ -3,8 +3,8 @@
 vLLM builds every MoE layer of an fp8 checkpoint with ``Fp8Config.get_quant_method`` ->
 ``Fp8MoEMethod``. ``Fp8MoEMethod`` is not a ``CustomOp`` (no out-of-tree slot as the unquantized
 method has), and its constructor hands ``moe_backend`` to vLLM's fp8 oracle, which rejects
-``flashmoe``. The extension point that exists in every supported release (0.26.0, 0.32.0, 0.33.0)
-is the quantization-config registry: :func:`register` registers :class:`FlashMoEFp8Config` (an
+``flashmoe``. The extension point both releases we checked share (0.26.0, read in its wheel; 0.32.0,
+run on CPU; 0.33.0 not checked) is the quantization-config registry: :func:`register` registers :class:`FlashMoEFp8Config` (an
 ``Fp8Config``) under ``fp8`` with ``register_quantization_config``. Its ``get_quant_method`` is
 ``Fp8Config``'s, except for an MoE layer under ``--moe-backend flashmoe`` that ``Fp8Config`` would
 give a block-quantized ``Fp8MoEMethod``: that layer gets :class:`FlashMoEFp8Method` instead.

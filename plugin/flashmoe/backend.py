@@ -77,10 +77,25 @@ def unsupported_weights(description: str) -> WeightFormat:
     return WeightFormat("unsupported", description)
 
 
-def weights_unsupported_reason(weights: WeightFormat) -> str | None:
+def weights_unsupported_reason(
+    weights: WeightFormat,
+    *,
+    hidden_size: int | None = None,
+    intermediate_size: int | None = None,
+    dtype: torch.dtype | None = None,
+) -> str | None:
     """None if flashmoe computes experts stored as ``weights`` (both backends compute the same
-    formats), else a one-line reason naming the format."""
-    if weights.kind in (UNQUANTIZED.kind, FP8_BLOCK_128.kind):
+    formats), else a one-line reason naming the format. The layer facts given (activation
+    ``dtype``, sizes) are checked against what the format needs: block-fp8 takes bf16 activations
+    and whole 128x128 blocks."""
+    if weights.kind == FP8_BLOCK_128.kind:
+        if dtype is not None and dtype != torch.bfloat16:
+            return f"block-fp8 experts with {str(dtype).removeprefix('torch.')} activations (flashmoe's fp8 path takes bf16)"
+        for what, size in (("hidden size", hidden_size), ("MoE intermediate size", intermediate_size)):
+            if size is not None and size % FP8_BLOCK:
+                return f"block-fp8 experts with {what} {size}, not a multiple of the {FP8_BLOCK}-wide block"
+        return None
+    if weights.kind == UNQUANTIZED.kind:
         return None
     return (
         f"{weights.description}: flashmoe serves unquantized or block-fp8 experts "
@@ -148,6 +163,16 @@ def weight_format_for(quant_method: str | None, quant_config: Mapping | None = N
     if cfg.get("activation_scheme", "dynamic") != "dynamic":
         return unsupported_weights(f"block-fp8 weights with {cfg['activation_scheme']} activation scales")
     return FP8_BLOCK_128
+
+
+def hf_quantization_config(*hf_configs) -> dict | None:
+    """The checkpoint's ``quantization_config`` as a dict, from the first of ``hf_configs`` (a model's
+    Hugging Face config, then its text config) that has one; None for an unquantized checkpoint."""
+    for hf in hf_configs:
+        cfg = getattr(hf, "quantization_config", None)
+        if cfg is not None:
+            return dict(cfg) if isinstance(cfg, Mapping) else cfg.to_dict()  # a transformers QuantizationConfig
+    return None
 
 
 def shape_unsupported_reason(
