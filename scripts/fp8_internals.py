@@ -32,7 +32,7 @@ os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(8 << 30))
 from flashmoe import buffers  # noqa: E402
 from flashmoe.fp8 import GROUP, dequantize_per_token_group, quantize_per_token_group  # noqa: E402
 from flashmoe.reference_fp8 import block_scaled_gemm, moe_oracle_fp64_fp8, moe_reference_fp8  # noqa: E402
-from kernel_check import Fp8Layer, fp8_weights, routing  # noqa: E402
+from kernel_check import flashmoe_layer, fp8_weights, routing  # noqa: E402
 from moe_inputs import random_grouped_hidden  # noqa: E402
 from tolerances import error_stats  # noqa: E402
 
@@ -91,7 +91,7 @@ def main() -> int:
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     gen = torch.Generator().manual_seed(args.seed)
-    moe = Fp8Layer(E, k, H, I)
+    moe = flashmoe_layer(E, k, H, I, fp8=True)
     w13, w2, s13, s2 = fp8_weights(E, H, I, args.seed, device)
     x = random_grouped_hidden(T, H, gen).to(device)
     ids, w = routing(E, k, T, args.routing, gen, device)

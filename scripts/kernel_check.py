@@ -135,29 +135,14 @@ def draw_layer(E, H, I, T, gen, device, fp8):
     return x, w13, w2, dict(w13_scale_inv=s13, w2_scale_inv=s2)
 
 
-class Fp8Layer:
-    """The megakernel on block-fp8 weights, called like FlashMoE (its scales as keywords)."""
-
-    def __init__(self, E, k, H, I):
-        from flashmoe import metrics
-        from flashmoe.megakernel import MegaKernelLayer
-
-        spec = MoELayerSpec(E, k, H, I, MAX_TOKENS)
-        self.layer_id = metrics.register_layer(f"fp8-{E}-{H}-{I}-{time.time_ns()}", "megakernel")
-        device = torch.device("cuda", torch.cuda.current_device())
-        self.kernel = MegaKernelLayer(
-            spec, ExpertPlacement.contiguous(E, 1), 0, 1, None, None, device, self.layer_id
-        )
-
-    def __call__(self, x, ids, w, w13, w2, out=None, w13_scale_inv=None, w2_scale_inv=None):
-        return self.kernel.forward(x, ids, w, w13, w2, out, w13_scale_inv, w2_scale_inv)
+def flashmoe_layer(E, k, H, I, fp8=False) -> FlashMoE:
+    """One rank's layer (world 1); fp8: block-fp8 weights, whose scales each call passes as keywords."""
+    spec = MoELayerSpec(E, k, H, I, MAX_TOKENS, weight_dtype=torch.float8_e4m3fn if fp8 else None)
+    return FlashMoE(spec, ExpertPlacement.contiguous(E, 1), None)
 
 
-def layer(shape, fp8=False):
-    E, k, H, I = SHAPES[shape]
-    if fp8:
-        return Fp8Layer(E, k, H, I)
-    return FlashMoE(MoELayerSpec(E, k, H, I, MAX_TOKENS), ExpertPlacement.contiguous(E, 1), None)
+def layer(shape, fp8=False) -> FlashMoE:
+    return flashmoe_layer(*SHAPES[shape], fp8=fp8)
 
 
 def wait_or_report(moe, seconds: float = float(os.environ.get("KERNEL_CHECK_HANG_S", "30"))) -> None:

@@ -237,7 +237,7 @@ struct PipeState {
 
 // Token tile for an expert with `rows` rows: the smallest that holds them, else tiles of the widest.
 __host__ __device__ constexpr int tile_tokens_for(int rows, bool fp8) {
-  return rows <= 32 ? 32 : rows <= 64 || fp8 ? 64 : 128;
+  return rows <= 32 ? 32 : rows <= 64 ? 64 : max_tile_tokens(fp8);
 }
 
 // Runs f(std::integral_constant<int, N>{}) for a tile width N from tile_tokens_for (32, 64 or 128; fp8 32, 64).
