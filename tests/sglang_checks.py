@@ -167,28 +167,12 @@ def check_layer(model_dir: str, rank: int, world: int, port: int) -> dict:
     load_plugins()
     import flashmoe
     from flashmoe.integration.sglang import runtime
-    from sglang.srt.distributed.bootstrap import init_parallel_runtime
-    from sglang.srt.layers.moe import initialize_moe_config
     from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
     from sglang.srt.layers.moe.utils import post_experts_output_is_complete, reduce_moe_output
     from sglang.srt.models.qwen3_moe import Qwen3MoeSparseMoeBlock
-    from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish
-    from sglang.srt.server_args import ServerArgs
     from transformers import AutoConfig
 
-    sa = ServerArgs(
-        model_path=model_dir,
-        moe_runner_backend="flashmoe",
-        tp_size=world,
-        attn_dp_size=world,
-        device="cpu",
-        dtype="bfloat16",
-        skip_tokenizer_init=True,
-    )
-    publish(sa, role="scheduler", ranks=SpawnRanks(world_rank=rank, gpu_id=rank))
-    init_parallel_runtime(server_args=sa, device="cpu", dist_port=port)
-    initialize_moe_config()
-    parallel = get_parallel()
+    _, parallel = _scheduler_rank(model_dir, rank, world, port)
     out: dict = {"moe_ep_size": parallel.moe_ep_size, "moe_ep_rank": parallel.moe_ep_rank}
 
     hf = AutoConfig.from_pretrained(model_dir)
@@ -259,28 +243,12 @@ def check_layer_fp8(model_dir: str, rank: int, world: int, port: int, out_dir: s
     from flashmoe.integration.sglang import runtime
     from sglang.srt.configs.load_config import LoadConfig
     from sglang.srt.configs.model_config import ModelConfig
-    from sglang.srt.distributed.bootstrap import init_parallel_runtime
-    from sglang.srt.layers.moe import initialize_moe_config
     from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
     from sglang.srt.model_loader.loader import DefaultModelLoader, _get_quantization_config
     from sglang.srt.models.qwen3_moe import Qwen3MoeSparseMoeBlock
-    from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish
-    from sglang.srt.server_args import ServerArgs
     from transformers import AutoConfig
 
-    sa = ServerArgs(
-        model_path=model_dir,
-        moe_runner_backend="flashmoe",
-        tp_size=world,
-        attn_dp_size=world,
-        device="cpu",
-        dtype="bfloat16",
-        skip_tokenizer_init=True,
-    )
-    publish(sa, role="scheduler", ranks=SpawnRanks(world_rank=rank, gpu_id=rank))
-    init_parallel_runtime(server_args=sa, device="cpu", dist_port=port)
-    initialize_moe_config()
-    parallel = get_parallel()
+    sa, parallel = _scheduler_rank(model_dir, rank, world, port)
     model_config = ModelConfig.from_server_args(sa)
     quant_config = _get_quantization_config(model_config, LoadConfig())
     out: dict = {
@@ -360,6 +328,30 @@ def check_layer_fp8(model_dir: str, rank: int, world: int, port: int, out_dir: s
     )
     torch.save({"call": calls[0], "w13": w13, "s13": s13, "w2": w2, "s2": s2}, os.path.join(out_dir, f"rank{rank}.pt"))
     return out
+
+
+def _scheduler_rank(model_dir: str, rank: int, world: int, port: int):
+    """This process as SGLang scheduler rank `rank` of a CPU TP=attention-DP=`world` server with
+    --moe-runner-backend flashmoe: server args published, distributed runtime and MoE config up.
+    Returns (server args, parallel state)."""
+    from sglang.srt.distributed.bootstrap import init_parallel_runtime
+    from sglang.srt.layers.moe import initialize_moe_config
+    from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish
+    from sglang.srt.server_args import ServerArgs
+
+    sa = ServerArgs(
+        model_path=model_dir,
+        moe_runner_backend="flashmoe",
+        tp_size=world,
+        attn_dp_size=world,
+        device="cpu",
+        dtype="bfloat16",
+        skip_tokenizer_init=True,
+    )
+    publish(sa, role="scheduler", ranks=SpawnRanks(world_rank=rank, gpu_id=rank))
+    init_parallel_runtime(server_args=sa, device="cpu", dist_port=port)
+    initialize_moe_config()
+    return sa, get_parallel()
 
 
 class _LoadedRunner:
