@@ -25,13 +25,6 @@ def patch(root, rel, old, new):
 VARIANTS = {
     "base": [],
     "l2none": [("csrc/kernel.cu", "CU_TENSOR_MAP_L2_PROMOTION_L2_256B", "CU_TENSOR_MAP_L2_PROMOTION_NONE")],
-    "tokens_zero_fill": [
-        (
-            "csrc/flashmoe/gemm.cuh",
-            "cp_async_16(dst, src, row[i] != nullptr);",
-            "cp_async_16(dst, src, false);",
-        )
-    ],
     "no_cp_async": [
         (
             "csrc/flashmoe/gemm.cuh",
@@ -40,52 +33,63 @@ VARIANTS = {
         ),
         (
             "csrc/flashmoe/gemm.cuh",
-            "        cp_async_16(dst, src, row[i] != nullptr);",
-            "        (void)dst; (void)src;",
+            "        if (row[i] != nullptr) cp_async_16(dst, row[i] + ks * kRowBytesK + chunk * 16, true);",
+            "        (void)dst;",
         ),
         ("csrc/flashmoe/gemm.cuh", "      mbar_arrive_on_cp_async(full);\n", ""),
     ],
-    "gemm0_only": [
+    # Only the producer's first warp loads token rows and arrives (33 arrivals per stage).
+    "one_warp": [
         (
-            "csrc/flashmoe/scheduler.cuh",
-            "  c.total = c.gemm0 + t.tile_offset[p.num_local] * c.feature_tiles[1];",
-            "  c.total = c.gemm0;",
+            "csrc/flashmoe/gemm.cuh",
+            "constexpr int kFullArrivals = 1 + kProducerThreads;",
+            "constexpr int kFullArrivals = 1 + 32;",
+        ),
+        ("csrc/flashmoe/gemm.cuh", "const char* row[N / 16];", "const char* row[N / 4];"),
+        (
+            "csrc/flashmoe/gemm.cuh",
+            """    for (int i = 0; i < N / 16; ++i) {
+      const int r = (tid >> 3) + 16 * i;
+      row[i] = r < rows ? row_at(r) : nullptr;""",
+            """    for (int i = 0; i < N / 4; ++i) {
+      const int r = (tid >> 3) + 4 * i;
+      row[i] = tid < 32 && r < rows ? row_at(r) : nullptr;""",
+        ),
+        (
+            "csrc/flashmoe/gemm.cuh",
+            """    for (int ks = 0; ks < k_steps; ++ks) {
+      const uint64_t wait_start = trace_clock();""",
+            """    for (int ks = 0; ks < k_steps; ++ks) {
+      if (tid >= 32) { st.advance(); continue; }
+      const uint64_t wait_start = trace_clock();""",
+        ),
+        (
+            "csrc/flashmoe/gemm.cuh",
+            """      for (int i = 0; i < N / 16; ++i) {
+        const int r = (tid >> 3) + 16 * i;""",
+            """      for (int i = 0; i < N / 4; ++i) {
+        const int r = (tid >> 3) + 4 * i;""",
+        ),
+    ],
+    # Weights streamed with the default L2 policy instead of evict-first.
+    "no_evict_first": [
+        (
+            "csrc/flashmoe/tasks.cuh",
+            "const uint64_t stream_policy = l2_policy_evict_first(),",
+            "const uint64_t stream_policy = l2_policy_evict_normal(),",
         )
     ],
-    "gemm1_only": [
+    # Grid barriers after dispatch and after the GEMM phase (block 0 signals), as before the split arrivals.
+    "grid_barriers": [
         (
-            "csrc/flashmoe/tasks.cuh",
-            "    if (task.gemm == 0) {\n      trace(kTraceProducerReady);",
-            "    if (task.gemm == 0) { continue;\n      trace(kTraceProducerReady);",
+            "csrc/flashmoe/moe_layer.cuh",
+            "  if (last_block_to_arrive(p, kArrivalDispatch) && threadIdx.x == 0) {",
+            "  grid_barrier(p, 1, epoch);\n  if (blockIdx.x == 0 && threadIdx.x == 0) {",
         ),
         (
-            "csrc/flashmoe/tasks.cuh",
-            "const bool ok = step >= k_steps || ld_acquire_gpu(counters + step) >= arrivals;",
-            "const bool ok = true;",
-        ),
-        (
-            "csrc/flashmoe/tasks.cuh",
-            "    if (task.gemm == 0) {\n      const bf16* staging",
-            "    if (task.gemm == 0) { continue;\n      const bf16* staging",
-        ),
-    ],
-    "no_wgmma": [
-        (
-            "csrc/flashmoe/gemm.cuh",
-            "    for (int kk = 0; kk < kTileK / 16; ++kk) Wgmma<N>::mma(acc, a + 2 * kk, b + 2 * kk, ks > 0 || kk > 0);",
-            "    if (ks < 0) Wgmma<N>::mma(acc, a, b, 0);",
-        )
-    ],
-    "stages5": [
-        (
-            "csrc/flashmoe/gemm.cuh",
-            "  return fit < kMaxStages ? fit : kMaxStages;",
-            "  return fit < 5 ? fit : 5;",
-        ),
-        (
-            "csrc/flashmoe/gemm.cuh",
-            "static_assert(stages_for(32) == 10",
-            "static_assert(true || stages_for(32) == 10",
+            "csrc/flashmoe/moe_layer.cuh",
+            "  if (last_block_to_arrive(p, kArrivalGemm)) {",
+            "  grid_barrier(p, 3, epoch);\n  if (blockIdx.x == 0) {",
         ),
     ],
     # Numerically unsafe (GEMM1 may read activations before they are visible): the cost of the GEMM0 release.
@@ -128,4 +132,6 @@ for name in sys.argv[3].split(","):
     )
     lines = [l for l in r.stdout.splitlines() if l.startswith("time") or "Error" in l]
     print(f"== {name} rc {r.returncode}")
-    print("\n".join(lines) if lines else r.stdout[-1500:] + r.stderr[-1500:], flush=True)
+    print("\n".join(lines) if lines else r.stdout[-1500:], flush=True)
+    if r.returncode:
+        print(r.stderr[-2500:], flush=True)

@@ -93,6 +93,9 @@ static __device__ __noinline__ void produce_tasks(const Params& p, const GemmSme
   const int64_t hidden_row_bytes = static_cast<int64_t>(p.hidden_size) * kElementBytes;
   const int64_t inter_row_bytes = static_cast<int64_t>(p.intermediate_size) * kElementBytes;
   const int hidden_groups = p.hidden_size / kFp8Group, inter_groups = p.intermediate_size / kFp8Group;
+  // Weights are read once per call: evict-first keeps them from displacing the token rows and activations
+  // that every feature tile reads again (measured: 8-13% of decode time, benchmarks/kernel-notes.md).
+  const uint64_t stream_policy = l2_policy_evict_first(), keep_policy = l2_policy_evict_normal();
   PipeState st;
   TaskQueue queue;
   int index;
@@ -119,7 +122,7 @@ static __device__ __noinline__ void produce_tasks(const Params& p, const GemmSme
         produce_tile<kFp8>(
             p, g, st, task.tile_tokens, task.rows, k_steps, row_at, scale_at,
             [&](char* stage, uint64_t* full, int ks, uint32_t weight_scales) {
-              tma_load_5d(stage, &p.tmap_w13, full, ks * tile_k(kFp8), 0, 0, feature_group, task.expert);
+              tma_load_5d(stage, &p.tmap_w13, full, ks * tile_k(kFp8), 0, 0, feature_group, task.expert, stream_policy);
               if constexpr (kFp8) {
                 cp_async_4(weight_scales, gate_scale + ks, true);
                 cp_async_4(weight_scales + 4, up_scale + ks, true);
@@ -140,7 +143,7 @@ static __device__ __noinline__ void produce_tasks(const Params& p, const GemmSme
           p, g, st, task.tile_tokens, task.rows, k_steps, [&](int r) { return act + (first + r) * inter_row_bytes; },
           [&](int r) { return act_scales + (first + r) * inter_groups; },
           [&](char* stage, uint64_t* full, int ks, uint32_t weight_scales) {
-            tma_load_2d(stage, &p.tmap_w2, full, ks * tile_k(kFp8), w2_row);
+            tma_load_2d(stage, &p.tmap_w2, full, ks * tile_k(kFp8), w2_row, stream_policy);
             if constexpr (kFp8) {  // one block for the tile's rows: both slots
               cp_async_4(weight_scales, weight_scale + ks, true);
               cp_async_4(weight_scales + 4, weight_scale + ks, true);
@@ -151,7 +154,7 @@ static __device__ __noinline__ void produce_tasks(const Params& p, const GemmSme
             // Not ready (small T: GEMM0 still streaming): pull the tile's remaining weights into L2 meanwhile.
             readiness.wait(p, g, task.expert, ks, [&] {
               if (threadIdx.x == 0 && ks == 0)
-                for (int s = 1; s < k_steps; ++s) tma_prefetch_l2_2d(&p.tmap_w2, s * tile_k(kFp8), w2_row);
+                for (int s = 1; s < k_steps; ++s) tma_prefetch_l2_2d(&p.tmap_w2, s * tile_k(kFp8), w2_row, keep_policy);
             });
             if (ks == 0) trace(kTraceProducerReady);
           });
