@@ -20,6 +20,7 @@ from moe_inputs import (
     random_routing,
 )
 from multiproc import init_cpu_rank, run_ranks
+from test_reference_fp8 import ep_case
 
 E4M3 = torch.float8_e4m3fn
 CPU = torch.device("cpu")
@@ -134,19 +135,7 @@ def test_fp8_layer_over_ep_group_equals_single_rank(gen, tmp_path):
     tokens = (11, 0)  # rank 1 brings no tokens but still serves its experts
     x, ids, w, w13, s13, w2, s2 = fp8_call(gen, T=sum(tokens))
     placement = make_placement("random_permutation", E, WORLD, gen)
-    case = {
-        "x": x,
-        "ids": ids,
-        "w": w,
-        "w13": w13,
-        "s13": s13,
-        "w2": w2,
-        "s2": s2,
-        "expert_rank": placement.expert_rank,
-        "expert_local": placement.expert_local,
-        "offsets": [0, tokens[0], sum(tokens)],
-    }
-    torch.save(case, tmp_path / "case.pt")
+    torch.save(ep_case(x, ids, w, (w13, s13, w2, s2), placement, tokens), tmp_path / "case.pt")
     run_ranks(_ep_worker, WORLD, (str(tmp_path / "case.pt"), str(tmp_path)), timeout=150)
     expected = moe_reference_fp8(x, ids, w, w13, s13, w2, s2)
     got = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]

@@ -34,7 +34,6 @@ from validation_cases import (
     cpu_duplicates_worker,
     duplicate_routing,
     fp8_reference,
-    fp8_valid_call,
     gpu_bad_inputs_worker,
     gpu_fp8_bad_inputs_worker,
     gpu_routing_ids_worker,
@@ -80,11 +79,11 @@ def test_the_bad_call_cases_are_valid_without_their_corruption(seed):
 
 @pytest.mark.parametrize("case", FP8_BAD_CALLS, ids=[c.name for c in FP8_BAD_CALLS])
 def test_cpu_fp8_layer_refuses_bad_call_before_computing(case, seed):
-    assert bad_call_failures(cpu_layer(layer_spec(dtype="fp8")), [case], CPU, seed, fp8_valid_call) == []
+    assert bad_call_failures(cpu_layer(layer_spec(dtype="fp8")), [case], CPU, seed, "fp8") == []
 
 
 def test_the_fp8_bad_call_cases_are_valid_without_their_corruption(seed):
-    a = fp8_valid_call(CPU, seed)
+    a = valid_call(CPU, seed, dtype="fp8")
     out = a["out"]
     assert cpu_layer(layer_spec(dtype="fp8"))(**a) is out
     assert torch.equal(out, fp8_reference(a)) and float(out.float().norm()) > 0

@@ -36,43 +36,33 @@ def layer_spec(max_tokens: int = MAX_T, dtype: str = "bf16") -> MoELayerSpec:
     return MoELayerSpec(E, K, H, I, max_tokens, weight_dtype=torch.float8_e4m3fn if dtype == "fp8" else None)
 
 
-def valid_call(device, seed: int, tokens: int = T) -> dict:
-    """Keyword arguments of one valid single-rank call (all E experts local), with a NaN ``out``."""
+def valid_call(device, seed: int, tokens: int = T, dtype: str = "bf16") -> dict:
+    """Keyword arguments of one valid single-rank call (all E experts local), with a NaN ``out``.
+    ``dtype="fp8"``: block-fp8 weights with their scales and token groups of random magnitude
+    (``moe_inputs``' fp8 draws), for :func:`layer_spec` ``(dtype="fp8")``."""
     gen = torch.Generator(device=device).manual_seed(seed)
     ids, w = random_routing(tokens, E, K, "uniform", gen, device, drop_prob=0.2)
-    w13, w2 = random_expert_weights(E, H, I, gen, device)
-    x = random_hidden(tokens, H, gen, device)
+    if dtype == "fp8":
+        w13, w13_scale_inv, w2, w2_scale_inv = random_fp8_expert_weights(E, H, I, gen, device)
+        x = random_grouped_hidden(tokens, H, gen, device)
+        scales = {"w13_scale_inv": w13_scale_inv, "w2_scale_inv": w2_scale_inv}
+    else:
+        w13, w2 = random_expert_weights(E, H, I, gen, device)
+        x = random_hidden(tokens, H, gen, device)
+        scales = {}
     return {
         "hidden_states": x,
         "topk_ids": ids,
         "topk_weights": w,
         "w13": w13,
         "w2": w2,
-        "out": torch.full_like(x, float("nan")),
-    }
-
-
-def fp8_valid_call(device, seed: int, tokens: int = T) -> dict:
-    """:func:`valid_call` for the fp8 layer: block-fp8 weights with their scales, token groups of random
-    magnitude (``moe_inputs``' fp8 draws)."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-    ids, w = random_routing(tokens, E, K, "uniform", gen, device, drop_prob=0.2)
-    w13, w13_scale_inv, w2, w2_scale_inv = random_fp8_expert_weights(E, H, I, gen, device)
-    x = random_grouped_hidden(tokens, H, gen, device)
-    return {
-        "hidden_states": x,
-        "topk_ids": ids,
-        "topk_weights": w,
-        "w13": w13,
-        "w2": w2,
-        "w13_scale_inv": w13_scale_inv,
-        "w2_scale_inv": w2_scale_inv,
+        **scales,
         "out": torch.full_like(x, float("nan")),
     }
 
 
 def fp8_reference(a: dict) -> torch.Tensor:
-    """The fp8 reference of an :func:`fp8_valid_call` (single rank, all experts local)."""
+    """The fp8 reference of a :func:`valid_call` ``(dtype="fp8")`` (single rank, all experts local)."""
     return moe_reference_fp8(
         *(a[n] for n in ARGS[:3]), a["w13"], a["w13_scale_inv"], a["w2"], a["w2_scale_inv"]
     )
@@ -259,13 +249,13 @@ FP8_GPU_ONLY_BAD_CALLS = [
 
 
 def bad_call_failures(
-    layer: FlashMoE, cases: list[BadCall], device, seed: int, make_call: Callable[..., dict] = valid_call
+    layer: FlashMoE, cases: list[BadCall], device, seed: int, dtype: str = "bf16"
 ) -> list[str]:
-    """Run every case on ``layer``, each on a fresh ``make_call(device, seed)``; return one line per case
+    """Run every case on ``layer``, each on a fresh :func:`valid_call` of ``dtype``; return one line per case
     that did not raise as expected or wrote ``out``."""
     failures = []
     for case in cases:
-        a = make_call(device, seed)
+        a = valid_call(device, seed, dtype=dtype)
         case.corrupt(a)
         out = a["out"]
         try:
@@ -353,10 +343,8 @@ def gpu_fp8_bad_inputs_worker(rank: int, world: int, port: int, out_dir: str, se
 
     ctx = init_rank(rank, world, port, "cuda", out_dir)
     layer = _megakernel_layer(layer_spec(dtype="fp8"), world, "validation_fp8")
-    failures = bad_call_failures(
-        layer, FP8_BAD_CALLS + FP8_GPU_ONLY_BAD_CALLS, ctx.device, seed, fp8_valid_call
-    )
-    a = fp8_valid_call(ctx.device, seed)
+    failures = bad_call_failures(layer, FP8_BAD_CALLS + FP8_GPU_ONLY_BAD_CALLS, ctx.device, seed, "fp8")
+    a = valid_call(ctx.device, seed, dtype="fp8")
     got = layer(**a)
     ctx.sync()
     failures += _close(got, fp8_reference(a), "valid fp8 call after the bad ones", "fp8")
