@@ -72,6 +72,7 @@ from moe_bench.grouped_gemm import (
     GroupedSwiGLU,
     select_fp8_expert_gemm,
     select_grouped_gemm,
+    weight_scale_recipe,
 )
 from moe_bench.ranks import Ranks
 from moe_bench.rates import measure_rates
@@ -1135,6 +1136,18 @@ def main(argv=None) -> int:
                 "activations": "bfloat16 in and out; the fp8 layer quantises per token and 128-group",
                 "expert_gemm": fp8_gemm,
                 "expert_gemm_note": fp8_gemm_note,
+                # Which weight-scale recipe each model's GEMMs ran with (moe_bench.grouped_gemm.weight_scale_recipe).
+                "scaled_mm_weight_scales": {
+                    name: {
+                        "gemm0 (w13)": weight_scale_recipe(
+                            2 * MODELS[name].intermediate, MODELS[name].hidden
+                        ),
+                        "gemm1 (w2)": weight_scale_recipe(MODELS[name].hidden, MODELS[name].intermediate),
+                    }
+                    for name in args.models
+                }
+                if fp8_gemm == SCALED_MM_LOOP
+                else None,
                 "not_wired": sorted(v for v in FP8_NOT_WIRED if v in args.variants),
                 "floor_bytes": "weights 1 B/element + fp32 block scales; dispatch rows H·1 B + one fp32 scale per "
                 "128-group; combine rows H·2 B (bf16); GEMM at rates.fp8_gemm_tflops",

@@ -2,7 +2,10 @@
 ``megakernel_matrix.py``.
 
 A *world run* spawns one process per rank (one process group, NVSHMEM initialised once), reserves the
-symmetric buffers for the largest configuration, and runs the selected checks in order:
+symmetric buffers for the largest configuration, and runs the selected checks in order, for each weight
+dtype of the task (``bf16``, and ``fp8``: block-fp8 experts, e4m3 with one fp32 scale per 128 x 128 block,
+drawn by :func:`moe_inputs.random_fp8_expert_weights` with token groups of random magnitude, compared with
+:mod:`flashmoe.reference_fp8` under the fp8 budgets of ``tolerances.py``):
 
 * ``matrix``: random configurations (:func:`draw_configs`); each rank's output (``out=`` poisoned with
   NaN first) vs :func:`flashmoe.moe_reference` on the same rows (same rounding) and vs the fp64 oracle.
@@ -46,26 +49,23 @@ from flashmoe import (
     FlashMoETimeoutError,
     MoELayerSpec,
     moe_oracle_fp64,
+    moe_oracle_fp64_fp8,
     moe_reference,
+    moe_reference_fp8,
 )
 from moe_inputs import (
     PLACEMENTS,
     ROUTINGS,
     make_placement,
     random_expert_weights,
+    random_fp8_expert_weights,
+    random_grouped_hidden,
     random_hidden,
     random_routing,
     storage_order,
 )
 from multiproc import RanksTimedOut, apply_rank_env, run_ranks
-from tolerances import (
-    ORACLE_REL_FRO,
-    ORACLE_ROW_REL,
-    SAME_ROUNDING_REL_FRO,
-    SAME_ROUNDING_ROW_REL,
-    ErrorStats,
-    error_stats,
-)
+from tolerances import WEIGHT_DTYPES, ErrorStats, error_stats, kernel_budgets
 
 CHECKS = ("matrix", "graph", "determinism", "stress", "put", "timeout")
 
@@ -77,15 +77,16 @@ INTERMEDIATE = {256: 0.4, 768: 0.3, 1536: 0.2, 2048: 0.1}
 TOKENS = {0: 0.12, 1: 0.2, 7: 0.28, 128: 0.3, 4096: 0.1}
 ROUTING = {"uniform": 0.4, "zipf": 0.35, "one_expert": 0.25}
 DROP_PROB = {0.0: 0.4, 0.1: 0.4, 0.5: 0.2}
-# Tiny grid for running the harness on CPU (reference backend).
+# Tiny grid for running the harness on CPU (reference backend); fp8 needs I a multiple of the 128 block.
 TINY = {
     "EXPERTS": {8: 0.5, 16: 0.5},
     "TOP_K": {1: 0.3, 2: 0.4, 4: 0.3},
     "HIDDEN": {128: 0.6, 256: 0.4},
     "INTERMEDIATE": {64: 0.6, 128: 0.4},
+    "INTERMEDIATE_FP8": {128: 0.6, 256: 0.4},
     "TOKENS": {0: 0.2, 1: 0.2, 7: 0.3, 33: 0.3},
 }
-BIG_WEIGHTS_BYTES = 4 << 30  # global bf16 weights above this are kept with probability BIG_KEEP
+BIG_WEIGHTS_BYTES = 4 << 30  # global weights above this are kept with probability BIG_KEEP
 BIG_KEEP = 0.2
 MAX_WORLD = 4
 TIMEOUT_BOUND_S = 15.0
@@ -103,16 +104,22 @@ class MatrixConfig:
     placement: str
     drop_prob: float
     seed: int
+    dtype: str = "bf16"  # expert weights: "bf16", or "fp8" (block-fp8; H and I multiples of 128)
 
     def tokens_for(self, world: int) -> list[int]:
         return list(self.tokens[:world])
 
     def weight_bytes(self) -> int:
-        return self.num_experts * 3 * self.hidden * self.intermediate * 2
+        return _weight_bytes(asdict(self))
+
+    def budgets(self, compare: tuple[str, ...] = ("ref", "oracle")) -> dict[str, tuple[float, float]]:
+        """(rel Frobenius, row rel) budget per comparison, for this configuration's dtype and I."""
+        budgets = kernel_budgets(self.dtype, self.intermediate)
+        return {against: budgets[against] for against in compare}
 
     def label(self) -> str:
         return (
-            f"E{self.num_experts} k{self.top_k} H{self.hidden} I{self.intermediate} "
+            f"{self.dtype} E{self.num_experts} k{self.top_k} H{self.hidden} I{self.intermediate} "
             f"T{'/'.join(map(str, self.tokens))} {self.routing} {self.placement} drop{self.drop_prob}"
         )
 
@@ -121,22 +128,26 @@ def _pick(rng: random.Random, weights: dict):
     return rng.choices(list(weights), weights=list(weights.values()))[0]
 
 
-def draw_configs(n: int, seed: int, tiny: bool = False) -> list[MatrixConfig]:
-    """``n`` configurations drawn with a fixed ``seed``, biased toward small shapes.
+def draw_configs(n: int, seed: int, tiny: bool = False, dtype: str = "bf16") -> list[MatrixConfig]:
+    """``n`` configurations of ``dtype`` weights drawn with a fixed ``seed``, biased toward small shapes.
 
     Each dimension is drawn independently from its grid with the weights above (E=8/32 60%, H=1024
     40% ... H=7168 10%, T=4096 10% per rank). A draw whose global weights exceed 4 GiB is kept with
     probability 0.2 and redrawn otherwise, so the 15 GB DeepSeek-sized layers (E=256, H=7168, I=2048:
     22.5 GB with w2) appear rarely. Afterwards every grid value, routing and placement that no draw
     hit is written into a random configuration that stays under 4 GiB, so all of the grid is covered
-    once n >= 16. ``tiny`` swaps in a small grid for CPU runs of the harness.
+    once n >= 16. ``tiny`` swaps in a small grid for CPU runs of the harness. Every H and I of the
+    full grid is a multiple of 128, so fp8 draws the same shapes as bf16 from the same seed (the 4 GiB
+    rule counts bf16 bytes for both).
     """
+    if dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"weight dtype {dtype!r}: expected one of {WEIGHT_DTYPES}")
     rng = random.Random(seed)
     grid = {
         "num_experts": TINY["EXPERTS"] if tiny else EXPERTS,
         "top_k": TINY["TOP_K"] if tiny else TOP_K,
         "hidden": TINY["HIDDEN"] if tiny else HIDDEN,
-        "intermediate": TINY["INTERMEDIATE"] if tiny else INTERMEDIATE,
+        "intermediate": TINY[f"INTERMEDIATE{'_FP8' if dtype == 'fp8' else ''}"] if tiny else INTERMEDIATE,
         "routing": ROUTING,
         "placement": {p: 1.0 for p in PLACEMENTS},
     }
@@ -163,10 +174,11 @@ def draw_configs(n: int, seed: int, tiny: bool = False) -> list[MatrixConfig]:
                     configs,
                     lambda c, t=t, s=slot: {**c, "tokens": c["tokens"][:s] + (t,) + c["tokens"][s + 1 :]},
                 )
-    return [MatrixConfig(index=i, seed=seed * 1_000_003 + i, **c) for i, c in enumerate(configs)]
+    return [MatrixConfig(index=i, seed=seed * 1_000_003 + i, dtype=dtype, **c) for i, c in enumerate(configs)]
 
 
 def _weight_bytes(c: dict) -> int:
+    """Global w13 + w2 bytes in bf16 (the draw's size rule, the same for both dtypes)."""
     return c["num_experts"] * 3 * c["hidden"] * c["intermediate"] * 2
 
 
@@ -196,30 +208,50 @@ class RankCase:
     w13_all: torch.Tensor  # every expert, rank after rank (storage_order)
     w2_all: torch.Tensor
     ref_placement: ExpertPlacement
+    # fp8: the block scales, laid out as the weights (all experts, and this rank's view); None for bf16.
+    w13_scale_all: torch.Tensor | None = None
+    w2_scale_all: torch.Tensor | None = None
+    w13_scale: torch.Tensor | None = None
+    w2_scale: torch.Tensor | None = None
 
     @property
     def inputs(self) -> tuple[torch.Tensor, ...]:
         return (self.x, self.topk_ids, self.topk_weights, self.w13, self.w2)
 
+    @property
+    def scales(self) -> dict[str, torch.Tensor]:
+        """The keyword arguments an fp8 layer takes with every call (none for bf16)."""
+        if not self.spec.fp8_weights:
+            return {}
+        return {"w13_scale_inv": self.w13_scale, "w2_scale_inv": self.w2_scale}
+
     def reference(self, x=None, topk_ids=None, topk_weights=None) -> torch.Tensor:
         """fp32 reference with the kernel's rounding for this rank's rows (or the given inputs)."""
         x, ids, w = (self.x, self.topk_ids, self.topk_weights) if x is None else (x, topk_ids, topk_weights)
+        if self.spec.fp8_weights:
+            return moe_reference_fp8(x, ids, w, *self._fp8_weights(), self.ref_placement)
         return moe_reference(x, ids, w, self.w13_all, self.w2_all, self.ref_placement)
 
     def oracle(self) -> torch.Tensor:
-        return moe_oracle_fp64(
-            self.x, self.topk_ids, self.topk_weights, self.w13_all, self.w2_all, self.ref_placement
-        )
+        args = (self.x, self.topk_ids, self.topk_weights)
+        if self.spec.fp8_weights:
+            return moe_oracle_fp64_fp8(*args, *self._fp8_weights(), self.ref_placement)
+        return moe_oracle_fp64(*args, self.w13_all, self.w2_all, self.ref_placement)
+
+    def _fp8_weights(self) -> tuple[torch.Tensor, ...]:
+        return self.w13_all, self.w13_scale_all, self.w2_all, self.w2_scale_all
 
 
 def rank_inputs(
     spec: MoELayerSpec, seed: int, routing: str, drop_prob: float, tokens: list[int], rank: int, device
 ):
-    """This rank's (x, topk_ids, topk_weights) out of a global batch drawn from ``seed``."""
+    """This rank's (x, topk_ids, topk_weights) out of a global batch drawn from ``seed``. For fp8 layers
+    each (token, 128-group) gets its own magnitude, so a scale applied to the wrong group shows."""
     gen = torch.Generator(device=device).manual_seed(seed)
     total, lo = sum(tokens), sum(tokens[:rank])
     ids, w = random_routing(total, spec.num_experts, spec.top_k, routing, gen, device, drop_prob)
-    x = random_hidden(total, spec.hidden_size, gen, device)
+    draw = random_grouped_hidden if spec.fp8_weights else random_hidden
+    x = draw(total, spec.hidden_size, gen, device)
     rows = slice(lo, lo + tokens[rank])
     return x[rows].contiguous(), ids[rows].contiguous(), w[rows].contiguous()
 
@@ -231,11 +263,26 @@ def build_rank_case(cfg: MatrixConfig, world: int, rank: int, device: torch.devi
     placement = make_placement(cfg.placement, cfg.num_experts, world, torch.Generator().manual_seed(cfg.seed))
     ref_placement, offsets = storage_order(placement)
     gen = torch.Generator(device=device).manual_seed(cfg.seed)
-    w13_all, w2_all = random_expert_weights(cfg.num_experts, cfg.hidden, cfg.intermediate, gen, device)
-    spec = MoELayerSpec(cfg.num_experts, cfg.top_k, cfg.hidden, cfg.intermediate, max(1, max(tokens)))
-    x, ids, w = rank_inputs(spec, cfg.seed + 1, cfg.routing, cfg.drop_prob, tokens, rank, device)
+    fp8 = cfg.dtype == "fp8"
+    spec = MoELayerSpec(
+        cfg.num_experts, cfg.top_k, cfg.hidden, cfg.intermediate, max(1, max(tokens)),
+        weight_dtype=torch.float8_e4m3fn if fp8 else None,
+    )  # fmt: skip
     mine = slice(offsets[rank], offsets[rank + 1])
-    return RankCase(spec, placement, x, ids, w, w13_all[mine], w2_all[mine], w13_all, w2_all, ref_placement)
+    if fp8:
+        w13_all, s13_all, w2_all, s2_all = random_fp8_expert_weights(
+            cfg.num_experts, cfg.hidden, cfg.intermediate, gen, device
+        )
+        scales = dict(
+            w13_scale_all=s13_all, w2_scale_all=s2_all, w13_scale=s13_all[mine], w2_scale=s2_all[mine]
+        )
+    else:
+        w13_all, w2_all = random_expert_weights(cfg.num_experts, cfg.hidden, cfg.intermediate, gen, device)
+        scales = {}
+    x, ids, w = rank_inputs(spec, cfg.seed + 1, cfg.routing, cfg.drop_prob, tokens, rank, device)
+    return RankCase(
+        spec, placement, x, ids, w, w13_all[mine], w2_all[mine], w13_all, w2_all, ref_placement, **scales
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -307,10 +354,11 @@ def make_layer(ctx: RankContext, case: RankCase, name: str, env: dict | None = N
     return layer
 
 
-def run_layer(layer: FlashMoE, x, ids, w, w13, w2) -> torch.Tensor:
-    """One call into an ``out=`` poisoned with NaN, so unwritten rows show up as non-finite."""
+def run_layer(layer: FlashMoE, x, ids, w, w13, w2, **scales) -> torch.Tensor:
+    """One call into an ``out=`` poisoned with NaN, so unwritten rows show up as non-finite. ``scales``:
+    an fp8 layer's ``w13_scale_inv``/``w2_scale_inv`` (:attr:`RankCase.scales`)."""
     out = torch.full_like(x, float("nan"))
-    got = layer(x, ids, w, w13, w2, out=out)
+    got = layer(x, ids, w, w13, w2, out=out, **scales)
     if got is not out:
         raise AssertionError("FlashMoE did not return the out= tensor it was given")
     return out
@@ -344,19 +392,21 @@ def finish(
     poisoned: bool,
     stats: dict[str, ErrorStats],
     passed: bool,
-    compare: tuple[str, ...],
+    budgets: dict[str, tuple[float, float]],
 ) -> dict:
     """Collective: agree on errors and global error measures across ranks, then write this rank's line.
 
-    The verdict is global: no rank failed or erred, and the all-reduced errors are within budget."""
+    The verdict is global: no rank failed or erred, and the all-reduced errors are within ``budgets``
+    (comparison -> (rel Frobenius, row rel), :meth:`MatrixConfig.budgets`)."""
     flags = torch.tensor(
         [float(error is not None or not passed), float(poisoned)], dtype=torch.float64, device=ctx.device
     )
     dist.all_reduce(flags, dist.ReduceOp.MAX)
-    reduced = {p: _reduce_stats(ctx, stats.get(p, ErrorStats())) for p in compare}  # same calls on every rank
+    reduced = {p: _reduce_stats(ctx, stats.get(p, ErrorStats())) for p in budgets}  # same calls on every rank
     for prefix, s in reduced.items():
         record.update(_stats_fields(prefix, s))
-    record.update(rank=ctx.rank, rank_error=error, passed=not bool(flags[0]) and within_budgets(reduced))
+    within = all(reduced[p].within(*budget) for p, budget in budgets.items())
+    record.update(rank=ctx.rank, rank_error=error, passed=not bool(flags[0]) and within)
     ctx.write(record)
     if bool(flags[1]):
         raise WorldAborted(
@@ -365,7 +415,7 @@ def finish(
     return record
 
 
-def guarded(ctx: RankContext, record: dict, body, compare: tuple[str, ...] = ("ref",)) -> dict:
+def guarded(ctx: RankContext, record: dict, body, budgets: dict[str, tuple[float, float]]) -> dict:
     """Run ``body() -> (stats, passed, extra)``, catching any error; then :func:`finish` collectively."""
     t0 = time.perf_counter()
     error, poisoned, stats, passed = None, False, {}, False
@@ -379,12 +429,18 @@ def guarded(ctx: RankContext, record: dict, body, compare: tuple[str, ...] = ("r
     if ctx.cuda:
         torch.cuda.empty_cache()
     record["seconds"] = round(time.perf_counter() - t0, 3)
-    return finish(ctx, record, error, poisoned, stats, passed, compare)
+    return finish(ctx, record, error, poisoned, stats, passed, budgets)
 
 
-def within_budgets(stats: dict[str, ErrorStats]) -> bool:
-    ok = stats["ref"].within(SAME_ROUNDING_REL_FRO, SAME_ROUNDING_ROW_REL)
-    return ok and ("oracle" not in stats or stats["oracle"].within(ORACLE_REL_FRO, ORACLE_ROW_REL))
+def new_record(check: str, ctx: RankContext, cfg: MatrixConfig, **extra) -> dict:
+    return {
+        "check": check,
+        "world": ctx.world,
+        "dtype": cfg.dtype,
+        "index": cfg.index,
+        "label": cfg.label(),
+        **extra,
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -393,25 +449,20 @@ def within_budgets(stats: dict[str, ErrorStats]) -> bool:
 
 
 def check_matrix_config(ctx: RankContext, cfg: MatrixConfig) -> dict:
-    record = {
-        "check": "matrix",
-        "world": ctx.world,
-        "index": cfg.index,
-        "label": cfg.label(),
-        "config": asdict(cfg),
-    }
+    record = new_record("matrix", ctx, cfg, config=asdict(cfg))
 
     def body():
         case = build_rank_case(cfg, ctx.world, ctx.rank, ctx.device)
-        layer = make_layer(ctx, case, f"matrix{cfg.index}")
-        out = run_layer(layer, *case.inputs)
+        layer = make_layer(ctx, case, f"matrix{cfg.index}_{cfg.dtype}")
+        out = run_layer(layer, *case.inputs, **case.scales)
         ctx.sync()
         stats = {"ref": error_stats(out, case.reference()), "oracle": error_stats(out, case.oracle())}
         return stats, True, {"backend": layer.backend}
 
-    return guarded(ctx, record, body, compare=("ref", "oracle"))
+    return guarded(ctx, record, body, cfg.budgets())
 
 
+# Every H and I here is a multiple of 128: the same configurations serve both dtypes.
 GRAPH_CONFIG = MatrixConfig(-1, 32, 4, 2048, 768, (128, 64, 96, 1), "zipf", "round_robin", 0.1, seed=0)
 DETERMINISM_CONFIGS = (
     MatrixConfig(-2, 32, 8, 2048, 768, (512, 130, 0, 77), "one_expert", "random_permutation", 0.1, seed=0),
@@ -433,29 +484,40 @@ def shrink(cfg: MatrixConfig, tiny: bool) -> MatrixConfig:
         num_experts=min(cfg.num_experts, 16),
         top_k=min(cfg.top_k, 4),
         hidden=128,
-        intermediate=64,
+        intermediate=128 if cfg.dtype == "fp8" else 64,
         tokens=tokens,
     )
 
 
+def fixed(cfg: MatrixConfig, seed: int, dtype: str, tiny: bool = False) -> MatrixConfig:
+    """A fixed configuration as a check runs it: ``dtype`` weights, inputs from ``seed``."""
+    return shrink(replace(cfg, seed=seed, dtype=dtype), tiny)
+
+
 def check_graph(
-    ctx: RankContext, seed: int, replays: int, input_sets: int = 8, check_every: int = 100
+    ctx: RankContext,
+    seed: int,
+    replays: int,
+    dtype: str = "bf16",
+    input_sets: int = 8,
+    check_every: int = 100,
 ) -> dict:
-    cfg = replace(GRAPH_CONFIG, seed=seed)
-    record = {"check": "graph", "world": ctx.world, "index": 0, "label": cfg.label(), "replays": replays}
+    cfg = fixed(GRAPH_CONFIG, seed, dtype)
+    record = new_record("graph", ctx, cfg, replays=replays)
     tokens = cfg.tokens_for(ctx.world)
 
     def body():
         if not ctx.cuda:
             raise RuntimeError("CUDA graphs need a GPU")
         case = build_rank_case(cfg, ctx.world, ctx.rank, ctx.device)
-        layer = make_layer(ctx, case, "graph")
+        layer = make_layer(ctx, case, f"graph_{dtype}")
+        weights = (case.w13, case.w2)
         routings = ROUTINGS * input_sets
         sets = [
             rank_inputs(case.spec, seed + 100 + s, routings[s], 0.1, tokens, ctx.rank, ctx.device)
             for s in range(input_sets)
         ]
-        eager = [run_layer(layer, *inp, case.w13, case.w2) for inp in sets]
+        eager = [run_layer(layer, *inp, *weights, **case.scales) for inp in sets]
         ctx.sync()
         refs = [case.reference(*inp) for inp in sets]
         stats = {"ref": ErrorStats()}
@@ -467,12 +529,12 @@ def check_graph(
         side.wait_stream(torch.cuda.current_stream(ctx.device))
         with torch.cuda.stream(side):
             for _ in range(3):
-                layer(*static, case.w13, case.w2, out=static_out)
+                layer(*static, *weights, out=static_out, **case.scales)
         torch.cuda.current_stream(ctx.device).wait_stream(side)
         ctx.sync()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            layer(*static, case.w13, case.w2, out=static_out)
+            layer(*static, *weights, out=static_out, **case.scales)
         order = random.Random(seed).choices(range(input_sets), k=replays)
         for i in range(1, replays):  # a different input set on every replay
             if order[i] == order[i - 1]:
@@ -490,66 +552,73 @@ def check_graph(
         n_bad = int(mismatched)
         return stats, n_bad == 0, {"replays_not_bitwise_eager": n_bad}
 
-    return guarded(ctx, record, body)
+    return guarded(ctx, record, body, cfg.budgets(("ref",)))
 
 
-def check_determinism(ctx: RankContext, seed: int, tiny: bool = False, repeats: int = 5) -> list[dict]:
+def check_determinism(
+    ctx: RankContext, seed: int, tiny: bool = False, dtype: str = "bf16", repeats: int = 5
+) -> list[dict]:
     records = []
     for cfg in DETERMINISM_CONFIGS:
-        cfg = replace(shrink(cfg, tiny), seed=seed + cfg.index)
-        record = {
-            "check": "determinism",
-            "world": ctx.world,
-            "index": cfg.index,
-            "label": cfg.label(),
-            "repeats": repeats,
-        }
+        cfg = fixed(cfg, seed + cfg.index, dtype, tiny)
+        record = new_record("determinism", ctx, cfg, repeats=repeats)
 
         def body(cfg=cfg):
             case = build_rank_case(cfg, ctx.world, ctx.rank, ctx.device)
-            layer = make_layer(ctx, case, f"determinism{cfg.index}")
-            first = run_layer(layer, *case.inputs)
+            layer = make_layer(ctx, case, f"determinism{cfg.index}_{dtype}")
+            first = run_layer(layer, *case.inputs, **case.scales)
             differing = sum(
-                not torch.equal(run_layer(layer, *case.inputs), first) for _ in range(repeats - 1)
+                not torch.equal(run_layer(layer, *case.inputs, **case.scales), first)
+                for _ in range(repeats - 1)
             )
             ctx.sync()
             stats = {"ref": error_stats(first, case.reference())}
             return stats, differing == 0, {"repeats_differing": differing}
 
-        records.append(guarded(ctx, record, body))
+        records.append(guarded(ctx, record, body, cfg.budgets(("ref",))))
     return records
 
 
 def check_variant(
-    ctx: RankContext, check: str, env: dict, seed: int, tiny: bool = False, repeats: int = 3
+    ctx: RankContext,
+    check: str,
+    env: dict,
+    seed: int,
+    tiny: bool = False,
+    dtype: str = "bf16",
+    repeats: int = 3,
 ) -> list[dict]:
     """A layer built with ``env`` must reproduce the normal layer's output bit for bit."""
     records = []
     for cfg in VARIANT_CONFIGS:
-        cfg = replace(shrink(cfg, tiny), seed=seed + cfg.index)
-        record = {"check": check, "world": ctx.world, "index": cfg.index, "label": cfg.label(), "env": env}
+        cfg = fixed(cfg, seed + cfg.index, dtype, tiny)
+        record = new_record(check, ctx, cfg, env=env)
 
         def body(cfg=cfg):
             case = build_rank_case(cfg, ctx.world, ctx.rank, ctx.device)
-            normal = make_layer(ctx, case, f"{check}{cfg.index}_normal")
-            variant = make_layer(ctx, case, f"{check}{cfg.index}_variant", env)
-            expected = run_layer(normal, *case.inputs)
+            normal = make_layer(ctx, case, f"{check}{cfg.index}_{dtype}_normal")
+            variant = make_layer(ctx, case, f"{check}{cfg.index}_{dtype}_variant", env)
+            expected = run_layer(normal, *case.inputs, **case.scales)
             differing = sum(
-                not torch.equal(run_layer(variant, *case.inputs), expected) for _ in range(repeats)
+                not torch.equal(run_layer(variant, *case.inputs, **case.scales), expected)
+                for _ in range(repeats)
             )
             ctx.sync()
             stats = {"ref": error_stats(expected, case.reference())}
             return stats, differing == 0, {"runs_differing": differing, "runs": repeats}
 
-        records.append(guarded(ctx, record, body))
+        records.append(guarded(ctx, record, body, cfg.budgets(("ref",))))
     return records
 
 
 def world_worker(rank: int, world: int, port: int, task: dict, out_dir: str) -> None:
-    """Rank entry point of a world run: every check in ``task["checks"]`` except ``timeout``."""
+    """Rank entry point of a world run: every check in ``task["checks"]`` except ``timeout``, the matrix
+    over ``task["configs"]`` (each with its dtype), the fixed-configuration checks once per dtype of
+    ``task["dtypes"]``."""
     ctx = init_rank(rank, world, port, task["device"], out_dir)
     try:
         configs = [MatrixConfig(**{**c, "tokens": tuple(c["tokens"])}) for c in task["configs"]]
+        dtypes = task.get("dtypes", ["bf16"])
         if ctx.cuda:
             from flashmoe import megakernel
 
@@ -565,16 +634,16 @@ def world_worker(rank: int, world: int, port: int, task: dict, out_dir: str) -> 
         if "matrix" in checks:
             for cfg in configs:
                 check_matrix_config(ctx, cfg)
-        if "graph" in checks:
-            check_graph(ctx, seed, task["graph_replays"])
-        if "determinism" in checks:
-            check_determinism(ctx, seed, tiny)
-        if "stress" in checks:
-            check_variant(
-                ctx, "stress", {"FLASHMOE_STRESS_DELAY_NS": str(task["stress_delay_ns"])}, seed, tiny
-            )
-        if "put" in checks:
-            check_variant(ctx, "put", {"FLASHMOE_FORCE_PUT": "1"}, seed, tiny)
+        for dtype in dtypes:
+            if "graph" in checks:
+                check_graph(ctx, seed, task["graph_replays"], dtype)
+            if "determinism" in checks:
+                check_determinism(ctx, seed, tiny, dtype)
+            if "stress" in checks:
+                stress_env = {"FLASHMOE_STRESS_DELAY_NS": str(task["stress_delay_ns"])}
+                check_variant(ctx, "stress", stress_env, seed, tiny, dtype)
+            if "put" in checks:
+                check_variant(ctx, "put", {"FLASHMOE_FORCE_PUT": "1"}, seed, tiny, dtype)
         dist.barrier()
     except WorldAborted as e:
         # Poisoned: skip NCCL/NVSHMEM teardown, which may wait on the peer that never came.
@@ -589,29 +658,33 @@ def world_worker(rank: int, world: int, port: int, task: dict, out_dir: str) -> 
 
 
 def timeout_worker(rank: int, world: int, port: int, task: dict, out_dir: str) -> None:
+    """``task["timeout_dtype"]`` (default bf16): the weight dtype of the layer that times out."""
     ctx = init_rank(
         rank, world, port, task["device"], out_dir, {"FLASHMOE_TIMEOUT_MS": str(task["timeout_ms"])}
     )
     silent = world - 1
+    dtype = task.get("timeout_dtype", "bf16")
     result = {
         "check": "timeout",
         "world": world,
+        "dtype": dtype,
         "rank": rank,
         "silent_rank": silent,
         "timeout_ms": task["timeout_ms"],
     }
-    cfg = replace(VARIANT_CONFIGS[0], seed=task["seed"])
+    cfg = fixed(VARIANT_CONFIGS[0], task["seed"], dtype)
     try:
         case = build_rank_case(cfg, world, rank, ctx.device)
-        layer = make_layer(ctx, case, "timeout")
+        layer = make_layer(ctx, case, f"timeout_{dtype}")
         inputs = case.inputs
-        run_layer(layer, *inputs)  # one good call first: build and first-launch costs stay out of the bound
+        # One good call first: build and first-launch costs stay out of the bound.
+        run_layer(layer, *inputs, **case.scales)
         ctx.sync()
         dist.barrier()
         if rank != silent:
             t0 = time.monotonic()
             try:
-                run_layer(layer, *inputs)
+                run_layer(layer, *inputs, **case.scales)
                 ctx.sync()
                 result["error"] = "no FlashMoETimeoutError although a peer never called the layer"
             except FlashMoETimeoutError as e:
@@ -659,8 +732,9 @@ def judge_timeout(results: list[dict], world: int, bound_s: float = TIMEOUT_BOUN
             problems.append(f"rank {rank}: message names no phase ({sorted(PHASES.values())}): {msg!r}")
     if not problems and not named_silent:
         problems.append(f"no rank's message names the silent rank {silent}")
-    return {"check": "timeout", "world": world, "index": 0, "passed": not problems, "error": "; ".join(problems) or None,
-            "ranks": results}  # fmt: skip
+    dtype = next((r["dtype"] for r in results if "dtype" in r), None)
+    return {"check": "timeout", "world": world, "dtype": dtype, "index": 0, "passed": not problems,
+            "error": "; ".join(problems) or None, "ranks": results}  # fmt: skip
 
 
 def run_timeout_check(world: int, task: dict, out_dir: Path, limit_s: float = 90.0) -> dict:
@@ -695,11 +769,11 @@ def read_rank_lines(out_dir: Path, world: int) -> list[dict]:
 
 
 def merge_records(lines: list[dict]) -> list[dict]:
-    """One record per (check, index): the global numbers (identical on every rank after the
+    """One record per (check, dtype, index): the global numbers (identical on every rank after the
     all-reduce) from the lowest rank, pass only if every rank passed, every rank's error listed."""
     merged: dict[tuple, dict] = {}
     for line in sorted(lines, key=lambda r: r["rank"]):
-        key = (line["check"], line.get("index"))
+        key = (line["check"], line.get("dtype"), line.get("index"))
         rec = merged.setdefault(
             key, {**{k: v for k, v in line.items() if k not in ("rank", "rank_error")}, "errors": {}}
         )

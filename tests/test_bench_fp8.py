@@ -5,12 +5,14 @@ flashmoe's fp8 layer is the real one: ``FlashMoE(MoELayerSpec(..., weight_dtype=
 (reference) backend, which computes :mod:`flashmoe.reference_fp8`.
 
 One thing of the GPU path cannot run here and is stood in for, checked against its definition:
-``torch._scaled_mm`` with 1x128 x 128x128 block scales (cuBLASLt on sm_90; torch's CPU build takes only
-TensorWise and RowWise scales, see :func:`test_cpu_torch_has_no_block_scaled_scaled_mm`).
-:func:`emulated_scaled_mm` enforces the layouts torch's CUDA implementation accepts
-(``aten/src/ATen/native/cuda/ScaledBlas.cpp``: ``a`` row-major, ``b`` column-major, ``scale_a`` [M, K/128]
-outer-dim-major, ``scale_b.t()`` [N/128, K/128] row-major; cuBLASLt's M % 4 == 0) and computes the
-product as :func:`flashmoe.reference_fp8.block_scaled_gemm` does.
+``torch._scaled_mm`` with block scales (cuBLASLt on sm_90; torch's CPU build takes only TensorWise and
+RowWise scales, see :func:`test_cpu_torch_has_no_block_scaled_scaled_mm`). :func:`emulated_scaled_mm`
+enforces the layouts torch's CUDA implementation accepts (``aten/src/ATen/native/cuda/ScaledBlas.cpp``:
+``a`` row-major, ``b`` column-major, ``scale_a`` [M, K/128] outer-dim-major; ``scale_b.t()`` [N/128, K/128]
+row-major (128x128) or [N, K/128] outer-dim-major (1x128); cuBLASLt's M % 4 == 0), reads the scales from
+memory as cuBLASLt does (128x128 ones with a leading dimension of round_up(K/128, 4), which torch does not
+pad: ``moe_bench.grouped_gemm.weight_scale_recipe``) and computes the product as
+:func:`flashmoe.reference_fp8.block_scaled_gemm` does.
 """
 
 from __future__ import annotations
@@ -26,18 +28,22 @@ import pytest
 import torch
 import torch.distributed as dist
 from flashmoe import ExpertPlacement
-from flashmoe.fp8 import quantize_per_token_group
+from flashmoe.fp8 import quantize_per_token_group, quantize_weight_blocks
 from flashmoe.reference_fp8 import block_scaled_gemm
-from moe_bench import check, results, table
+from moe_bench import check, grouped_gemm, results, table
 from moe_bench.formats import BF16, FP8
 from moe_bench.grouped_gemm import (
     DEQUANT_MM_LOOP,
     SCALED_MM_LOOP,
+    BLOCK_1x128,
+    BLOCK_128x128,
     BlockFp8,
     Fp8SwiGLU,
     group_offsets,
     scaled_mm_blockwise,
     select_fp8_expert_gemm,
+    weight_scale_b,
+    weight_scale_recipe,
 )
 from moe_bench.ranks import Ranks
 from moe_bench.shapes import ANCHORS, MODELS, ModelShape
@@ -55,8 +61,9 @@ _REAL_SCALED_MM = torch._scaled_mm
 
 
 def emulated_scaled_mm(a, b, scale_a, scale_b, bias=None, scale_result=None, out_dtype=None, use_fast_accum=False, out=None):  # fmt: skip
-    """torch._scaled_mm as its CUDA build takes the (BlockWise1x128, BlockWise128x128) recipe; per-tensor
-    scales (the rate measurement) go to the real CPU implementation."""
+    """torch._scaled_mm as its CUDA build takes the block-scaled recipes (1x128 on ``a``; 128x128 or 1x128 on
+    ``b``), with the weight scales read from memory as cuBLASLt reads them; per-tensor scales (the rate
+    measurement) go to the real CPU implementation."""
     if scale_a.numel() == 1 and scale_b.numel() == 1:
         return _REAL_SCALED_MM(
             a,
@@ -68,7 +75,7 @@ def emulated_scaled_mm(a, b, scale_a, scale_b, bias=None, scale_result=None, out
             out=out,
         )
     M, K = a.shape
-    N = b.shape[1]
+    N, L = b.shape[1], K // 128
 
     # ScaledBlas.cpp check_size_stride: the stride of a dimension of size 1 is free.
     def size_stride(t, dim, size, stride):
@@ -78,15 +85,35 @@ def emulated_scaled_mm(a, b, scale_a, scale_b, bias=None, scale_result=None, out
     assert a.stride() == (K, 1), f"a must be row-major, got strides {a.stride()}"
     assert b.shape[0] == K and b.stride() == (1, K), f"b must be column-major, got strides {b.stride()}"
     assert M % 4 == 0, f"cuBLASLt's block-scaled fp8 GEMM wants M % 4 == 0, got M={M}"
-    assert scale_a.dim() == 2 and size_stride(scale_a, 0, M, 1) and size_stride(scale_a, 1, K // 128, M), (
+    assert scale_a.dim() == 2 and size_stride(scale_a, 0, M, 1) and size_stride(scale_a, 1, L, M), (
         f"scale_a must be [M, K/128] outer-dim-major, got {tuple(scale_a.shape)} strides {scale_a.stride()}"
     )
-    sb = scale_b.t()
-    assert sb.dim() == 2 and size_stride(sb, 0, N // 128, K // 128) and size_stride(sb, 1, K // 128, 1), (
-        f"scale_b.t() must be [N/128, K/128] row-major, got {tuple(sb.shape)} strides {sb.stride()}"
-    )
     assert bias is None and scale_result is None and out is None
-    return block_scaled_gemm(a, scale_a.contiguous(), b.t(), sb.contiguous()).to(out_dtype or torch.bfloat16)
+    sb = scale_b.t()
+    if sb.dim() == 2 and size_stride(sb, 0, N // 128, L) and size_stride(sb, 1, L, 1):
+        # 128x128: cuBLASLt reads block (n, k) at n * round_up(L, 4) + k from the pointer on; past the
+        # tensor's storage lies memory the test cannot know: NaN.
+        ld = -(-L // 4) * 4
+        avail = sb.untyped_storage().nbytes() // sb.element_size() - sb.storage_offset()
+        flat = torch.as_strided(sb, (avail,), (1,), sb.storage_offset())
+        at = torch.arange(N // 128)[:, None] * ld + torch.arange(L)
+        blocks = torch.where(at < avail, flat[at.clamp(max=avail - 1)], torch.tensor(float("nan")))
+    elif sb.dim() == 2 and size_stride(sb, 0, N, 1) and size_stride(sb, 1, L, N):
+        # 1x128: [K/128, N] N-major, as torch lays it out. The product below takes one scale per 128-row
+        # block, so the emulator takes only per-row scales that are their block's.
+        rows = sb.contiguous().reshape(N // 128, 128, L)
+        assert torch.equal(rows, rows[:, :1].expand_as(rows)), (
+            "emulator: 1x128 b scales must be constant per block"
+        )
+        blocks = rows[:, 0]
+    else:
+        raise AssertionError(
+            f"scale_b.t() must be [N/128, K/128] row-major or [N, K/128] outer-dim-major, "
+            f"got {tuple(sb.shape)} strides {sb.stride()}"
+        )
+    return block_scaled_gemm(a, scale_a.contiguous(), b.t(), blocks.contiguous()).to(
+        out_dtype or torch.bfloat16
+    )
 
 
 def install_scaled_mm_emulator(monkeypatch=None) -> None:
@@ -99,7 +126,7 @@ def install_scaled_mm_emulator(monkeypatch=None) -> None:
 def test_cpu_torch_has_no_block_scaled_scaled_mm(gen):
     """Why the emulator exists: the CPU build refuses the (BlockWise1x128, BlockWise128x128) recipe in the
     layouts the CUDA build takes. Should a torch take it, this fails: drop the emulator, use the real op."""
-    M, K, N = 8, 256, 256
+    M, K, N = 8, 512, 256
     a = torch.randn(M, K, generator=gen).to(E4M3)
     b = torch.randn(N, K, generator=gen).to(E4M3).t()
     scale_a = torch.rand(K // 128, M, generator=gen).t()
@@ -108,6 +135,32 @@ def test_cpu_torch_has_no_block_scaled_scaled_mm(gen):
         _REAL_SCALED_MM(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)
     emulated = emulated_scaled_mm(a, b, scale_a, scale_b, out_dtype=torch.float32)
     assert torch.equal(emulated, block_scaled_gemm(a, scale_a.contiguous(), b.t(), scale_b.t().contiguous()))
+
+
+def test_weight_scale_recipe_follows_cublaslt_scale_layout(gen):
+    """128x128 weight scales only where cuBLASLt's padded leading dimension round_up(K/128, 4) equals torch's
+    K/128 (or one block row makes it moot); elsewhere per-row 1x128 scales, which compute the same product.
+    The emulator reproduces what an H200 did with unpadded 128x128 scales at K = 384: a wrong product."""
+    assert weight_scale_recipe(256, 512) == BLOCK_128x128 and weight_scale_recipe(4096, 7168) == BLOCK_128x128
+    assert (
+        weight_scale_recipe(128, 384) == BLOCK_128x128
+    )  # one block row: the leading dimension is never used
+    assert weight_scale_recipe(256, 384) == BLOCK_1x128 and weight_scale_recipe(2048, 768) == BLOCK_1x128
+    M, N = 8, 256
+    for K in (384, 512):
+        w = torch.randn(N // 128, 128, K // 128, 128, generator=gen) * torch.rand(
+            N // 128, 1, K // 128, 1, generator=gen
+        )
+        q_w, s_w = quantize_weight_blocks(w.reshape(N, K))
+        q_a, s_a = quantize_per_token_group(torch.randn(M, K, generator=gen).bfloat16())
+        want = block_scaled_gemm(q_a, s_a, q_w, s_w)
+        scale_a = s_a.t().contiguous().t()
+        unpadded = emulated_scaled_mm(q_a, q_w.t(), scale_a, s_w.t(), out_dtype=torch.float32)
+        assert torch.equal(unpadded, want) == (K == 512)  # K/128 = 3: block row 1 read from the wrong place
+        got = emulated_scaled_mm(q_a, q_w.t(), scale_a, weight_scale_b(s_w), out_dtype=torch.float32)
+        assert torch.equal(got, want)
+    per_row = weight_scale_b(s_w[:, :3])  # K/128 = 3 again: [3, N] N-major, each row its block's
+    assert per_row.shape == (3, N) and per_row.is_contiguous() and torch.equal(per_row[:, 127], per_row[:, 0])
 
 
 # ------------------------------------------------------------------------------------ shapes, options
@@ -173,16 +226,21 @@ def _fp8_layer(gen, E=4, H=256, inter=128):
     return BlockFp8(q13, s13), BlockFp8(q2, s2)
 
 
+@pytest.mark.parametrize("hidden", [256, 384, 512])  # GEMM0's K/128 = 2, 3: 1x128 weight scales; 4: 128x128
 @pytest.mark.parametrize("m", [1, 3, 4, 7, 12])
-def test_scaled_mm_blockwise_uses_the_cuda_layouts_and_pads_rows(m, gen, monkeypatch):
+def test_scaled_mm_blockwise_uses_the_cuda_layouts_and_pads_rows(m, hidden, gen, monkeypatch):
     monkeypatch.setattr(torch, "_scaled_mm", emulated_scaled_mm)
-    w13, _ = _fp8_layer(gen)
-    x = random_grouped_hidden(m, 256, gen)
+    w13, w2 = _fp8_layer(gen, H=hidden)
+    x = random_grouped_hidden(m, hidden, gen)
     q_x, s_x = quantize_per_token_group(x)
     for e in range(w13.shape[0]):
+        want = block_scaled_gemm(q_x, s_x, w13.q[e], w13.scale_inv[e])
         got = scaled_mm_blockwise(q_x, s_x, w13.q[e], w13.scale_inv[e], torch.float32)
-        assert got.shape == (m, 256) and got.dtype == torch.float32
-        assert torch.equal(got, block_scaled_gemm(q_x, s_x, w13.q[e], w13.scale_inv[e]))
+        assert got.shape == (m, 256) and got.dtype == torch.float32 and torch.equal(got, want)
+        # The expert's scale_b kept by BlockFp8 (built once for all experts) gives the same bits.
+        kept = scaled_mm_blockwise(q_x, s_x, w13.q[e], w13.scale_inv[e], torch.float32, w13.scale_b(e))
+        assert torch.equal(kept, want)
+    assert w13.scale_b(0).data_ptr() == w13.scale_b(0).data_ptr()  # kept, not rebuilt per call
 
 
 def test_fp8_swiglu_scaled_mm_loop_matches_the_fp8_reference(gen, monkeypatch):
@@ -237,6 +295,28 @@ def test_fp8_expert_gemm_selection(monkeypatch):
     assert impl == DEQUANT_MM_LOOP and "disagrees" in why
     with pytest.raises(RuntimeError, match="disagrees"):
         select_fp8_expert_gemm(SCALED_MM_LOOP, CPU)
+    # A GEMM that returns NaN (garbage scales read past a tensor) disagrees too: NaN is no small error.
+    monkeypatch.setattr(
+        torch, "_scaled_mm", lambda a, b, **kw: torch.full((a.shape[0], b.shape[1]), float("nan"))
+    )
+    assert select_fp8_expert_gemm("auto", CPU)[0] == DEQUANT_MM_LOOP
+
+
+def test_probe_catches_unpadded_128x128_weight_scales(monkeypatch):
+    """What the H200 run hit (128x128 weight scales for every shape, K/128 = 3 in the probe): the probe
+    disagrees and auto falls back; with the recipe choice the same emulated cuBLASLt passes both recipes."""
+    monkeypatch.setattr(torch, "_scaled_mm", emulated_scaled_mm)
+    seen = []
+    real_recipe = grouped_gemm.weight_scale_recipe
+    monkeypatch.setattr(
+        grouped_gemm, "weight_scale_recipe", lambda n, k: seen.append(real_recipe(n, k)) or seen[-1]
+    )
+    impl, why = select_fp8_expert_gemm("auto", CPU)
+    assert impl == SCALED_MM_LOOP and "both weight recipes" in why
+    assert set(seen) == {BLOCK_128x128, BLOCK_1x128}
+    monkeypatch.setattr(grouped_gemm, "weight_scale_recipe", lambda n, k: BLOCK_128x128)
+    impl, why = select_fp8_expert_gemm("auto", CPU)
+    assert impl == DEQUANT_MM_LOOP and "disagrees" in why
 
 
 # ------------------------------------------------------------------------------------- check wiring
@@ -431,6 +511,11 @@ RUN_ARGS = ["--device", "cpu", "--dtype", "fp8", "--tokens", "8", "--routing", "
 def _assert_fp8_run(doc: dict, world: int, expert_gemm: str) -> dict:
     assert results.validate(doc) == [] and doc["complete"] and doc["config"]["world_size"] == world
     assert doc["config"]["dtype"] == "fp8" and doc["config"]["fp8"]["expert_gemm"] == expert_gemm
+    recipes = doc["config"]["fp8"]["scaled_mm_weight_scales"]
+    if expert_gemm == SCALED_MM_LOOP:  # tiny: H = 256, I = 128, two 128-row blocks in each weight
+        assert recipes == {"tiny": {"gemm0 (w13)": BLOCK_1x128, "gemm1 (w2)": BLOCK_1x128}}
+    else:
+        assert recipes is None
     assert doc["config"]["check"]["fp8_budgets"]["rel_fro"] == FP8_SAME_ROUNDING_REL_FRO
     rate = doc["rates"]["fp8_gemm_tflops"]
     assert rate > 0 and doc["rates"]["fp8_gemm"].startswith("e4m3 torch._scaled_mm")

@@ -1,6 +1,7 @@
 """FlashMoE with block-fp8 experts (issue 15) on its CPU backend: the spec field, the call contract
-(scales required exactly for fp8 layers, named in the error) and the result, which is
-:func:`flashmoe.moe_reference_fp8`'s bit for bit, on one rank and over a gloo EP group.
+(scales required exactly for fp8 layers, named in the error; the bad fp8 calls, shared with the
+megakernel's GPU test, are ``validation_cases.FP8_BAD_CALLS`` in ``test_validation.py``) and the
+result, which is :func:`flashmoe.moe_reference_fp8`'s bit for bit, on one rank and over a gloo EP group.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from moe_inputs import (
     random_routing,
 )
 from multiproc import init_cpu_rank, run_ranks
+from test_reference_fp8 import ep_case
 
 E4M3 = torch.float8_e4m3fn
 CPU = torch.device("cpu")
@@ -97,19 +99,6 @@ def test_fp8_layer_equals_reference_bit_for_bit(gen):
     assert not torch.equal(layer(x, ids, w, w13, w2, w13_scale_inv=s13_other, w2_scale_inv=s2), expected)
 
 
-def test_fp8_layer_needs_its_scales(gen):
-    x, ids, w, w13, s13, w2, s2 = fp8_call(gen, T=4)
-    layer = FlashMoE(fp8_spec(), ExpertPlacement.contiguous(E, 1), device=CPU)
-    with pytest.raises(ValueError, match=r"^w13_scale_inv and w2_scale_inv required: this layer's weights are block-fp8"):
-        layer(x, ids, w, w13, w2)
-    with pytest.raises(ValueError, match=r"^w2_scale_inv required"):
-        layer(x, ids, w, w13, w2, w13_scale_inv=s13)
-    with pytest.raises(ValueError, match=r"^w13_scale_inv shape \(8, 1, 2\) != \(8, 2, 2\)"):
-        layer(x, ids, w, w13, w2, w13_scale_inv=s13[:, :1], w2_scale_inv=s2)
-    with pytest.raises(ValueError, match="must be torch.float8_e4m3fn"):
-        layer(x, ids, w, w13.bfloat16(), w2.bfloat16(), w13_scale_inv=s13, w2_scale_inv=s2)
-
-
 def test_bf16_layer_refuses_scales(gen):
     x, ids, w, w13, s13, w2, s2 = fp8_call(gen, T=4)
     layer = FlashMoE(MoELayerSpec(E, K, H, INTER, MAX_T), ExpertPlacement.contiguous(E, 1), device=CPU)
@@ -146,12 +135,7 @@ def test_fp8_layer_over_ep_group_equals_single_rank(gen, tmp_path):
     tokens = (11, 0)  # rank 1 brings no tokens but still serves its experts
     x, ids, w, w13, s13, w2, s2 = fp8_call(gen, T=sum(tokens))
     placement = make_placement("random_permutation", E, WORLD, gen)
-    case = {
-        "x": x, "ids": ids, "w": w, "w13": w13, "s13": s13, "w2": w2, "s2": s2,
-        "expert_rank": placement.expert_rank, "expert_local": placement.expert_local,
-        "offsets": [0, tokens[0], sum(tokens)],
-    }
-    torch.save(case, tmp_path / "case.pt")
+    torch.save(ep_case(x, ids, w, (w13, s13, w2, s2), placement, tokens), tmp_path / "case.pt")
     run_ranks(_ep_worker, WORLD, (str(tmp_path / "case.pt"), str(tmp_path)), timeout=150)
     expected = moe_reference_fp8(x, ids, w, w13, s13, w2, s2)
     got = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]

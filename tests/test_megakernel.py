@@ -2,9 +2,11 @@
 
 GPU tests (marked ``gpu``; skipped without sm_90 GPUs, or with fewer GPUs than the world size) run
 through the same rank code as ``tests/megakernel_matrix.py`` (``megakernel_cases.py``): one process
-group per world size runs every configuration and check once per module; each test asserts on its
-part of the records. Inputs and shapes are drawn from the session seed (in the report header).
-Budgets: ``tolerances.py``. The timeout test uses its own processes (a timed-out process is poisoned).
+group per world size runs every configuration and check once per module, for bf16 and for block-fp8
+experts (issue 15: e4m3 weights with 128 x 128 block scales, against ``flashmoe.reference_fp8``); each
+test asserts on its part of the records. Inputs and shapes are drawn from the session seed (in the
+report header). Budgets: ``tolerances.py``. The timeout test uses its own processes (a timed-out
+process is poisoned).
 
 CPU tests check that the harness runs and that its verdicts can fail.
 """
@@ -19,17 +21,19 @@ from megakernel_cases import (
     EXPERTS,
     HIDDEN,
     INTERMEDIATE,
+    TINY,
     TOKENS,
     TOP_K,
+    MatrixConfig,
     draw_configs,
     judge_timeout,
     merge_records,
     run_timeout_check,
     run_world,
 )
-from tolerances import SAME_ROUNDING_ROW_REL, error_stats
+from tolerances import SAME_ROUNDING_ROW_REL, WEIGHT_DTYPES, ErrorStats, error_stats
 
-GPU_CONFIGS = 50
+GPU_CONFIGS = {"bf16": 50, "fp8": 16}  # fp8: its float64 block reference is the slow part
 WORLD_LIMIT_S = 900
 TIMEOUT_MS = 2000
 
@@ -51,11 +55,12 @@ def require_gpus(world: int) -> None:
         pytest.skip(reason)
 
 
-def gpu_task(configs) -> dict:
+def gpu_task(configs, dtypes=WEIGHT_DTYPES) -> dict:
     return {
         "device": "cuda",
         "checks": [c for c in CHECKS if c != "timeout"],
         "configs": [vars(c) | {"tokens": list(c.tokens)} for c in configs],
+        "dtypes": list(dtypes),
         "seed": SESSION_SEED,
         "tiny": False,
         "graph_replays": 1000,
@@ -69,12 +74,12 @@ _WORLD_RUNS: dict[int, dict] = {}
 
 @pytest.fixture(scope="module")
 def world_run(tmp_path_factory):
-    """world -> run_world result, run once per module (all configurations and checks)."""
+    """world -> run_world result, run once per module (all configurations and checks, both dtypes)."""
 
     def get(world: int) -> dict:
         require_gpus(world)
         if world not in _WORLD_RUNS:
-            configs = draw_configs(GPU_CONFIGS, SESSION_SEED)
+            configs = [c for d in WEIGHT_DTYPES for c in draw_configs(GPU_CONFIGS[d], SESSION_SEED, dtype=d)]
             _WORLD_RUNS[world] = run_world(
                 world, gpu_task(configs), tmp_path_factory.mktemp(f"world{world}"), WORLD_LIMIT_S
             )
@@ -97,68 +102,77 @@ def failures(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def records_of(result: dict, check: str) -> list[dict]:
-    return [r for r in result["records"] if r["check"] == check]
+def records_of(result: dict, check: str, dtype: str) -> list[dict]:
+    return [r for r in result["records"] if r["check"] == check and r["dtype"] == dtype]
 
 
 WORLDS = [1, 2, 4]
 
 
+@pytest.mark.parametrize("dtype", WEIGHT_DTYPES)
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.gpu
 @pytest.mark.timeout(WORLD_LIMIT_S + 120)
-def test_matrix_matches_reference(world, world_run):
-    recs = records_of(world_run(world), "matrix")
-    assert len(recs) == GPU_CONFIGS, f"only {len(recs)} of {GPU_CONFIGS} configurations ran"
+def test_matrix_matches_reference(world, dtype, world_run):
+    recs = records_of(world_run(world), "matrix", dtype)
+    assert len(recs) == GPU_CONFIGS[dtype], f"only {len(recs)} of {GPU_CONFIGS[dtype]} configurations ran"
     bad = failures(recs)
     assert not bad, f"world {world}: {bad}"
     worst = max(recs, key=lambda r: r["rel_err_oracle"])
-    print(f"world {world}: worst rel err vs fp64 oracle {worst['rel_err_oracle']:.3e} ({worst['label']})")
+    print(
+        f"world {world} {dtype}: worst rel err vs fp64 oracle {worst['rel_err_oracle']:.3e} ({worst['label']})"
+    )
 
 
+@pytest.mark.parametrize("dtype", WEIGHT_DTYPES)
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.gpu
 @pytest.mark.timeout(WORLD_LIMIT_S + 120)
-def test_cuda_graph_replays_match_eager_and_reference(world, world_run):
-    (rec,) = records_of(world_run(world), "graph")
+def test_cuda_graph_replays_match_eager_and_reference(world, dtype, world_run):
+    (rec,) = records_of(world_run(world), "graph", dtype)
     assert rec["replays"] >= 1000
     assert rec["passed"], failures([rec])
     assert rec["replays_not_bitwise_eager"] == 0
 
 
+@pytest.mark.parametrize("dtype", WEIGHT_DTYPES)
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.gpu
 @pytest.mark.timeout(WORLD_LIMIT_S + 120)
-def test_repeated_calls_are_bitwise_identical(world, world_run):
-    recs = records_of(world_run(world), "determinism")
+def test_repeated_calls_are_bitwise_identical(world, dtype, world_run):
+    recs = records_of(world_run(world), "determinism", dtype)
     assert recs and all(r["repeats_differing"] == 0 for r in recs), failures(recs)
     assert all(r["passed"] for r in recs), failures(recs)
 
 
+@pytest.mark.parametrize("dtype", WEIGHT_DTYPES)
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.gpu
 @pytest.mark.timeout(WORLD_LIMIT_S + 120)
-def test_stress_build_is_bitwise_identical(world, world_run):
-    recs = records_of(world_run(world), "stress")
+def test_stress_build_is_bitwise_identical(world, dtype, world_run):
+    recs = records_of(world_run(world), "stress", dtype)
     assert recs and all(r["passed"] for r in recs), failures(recs)
 
 
+@pytest.mark.parametrize("dtype", WEIGHT_DTYPES)
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.gpu
 @pytest.mark.timeout(WORLD_LIMIT_S + 120)
-def test_forced_put_path_is_bitwise_identical(world, world_run):
-    recs = records_of(world_run(world), "put")
+def test_forced_put_path_is_bitwise_identical(world, dtype, world_run):
+    recs = records_of(world_run(world), "put", dtype)
     assert recs and all(r["passed"] for r in recs), failures(recs)
 
 
+@pytest.mark.parametrize("dtype", WEIGHT_DTYPES)
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.gpu
 @pytest.mark.timeout(180)
-def test_missing_rank_raises_timeout_naming_rank_peer_phase(world, tmp_path):
+def test_missing_rank_raises_timeout_naming_rank_peer_phase(world, dtype, tmp_path):
     require_gpus(world)
-    task = gpu_task([]) | {"timeout_ms": TIMEOUT_MS}
+    task = gpu_task([]) | {"timeout_ms": TIMEOUT_MS, "timeout_dtype": dtype}
     verdict = run_timeout_check(world, task, tmp_path, limit_s=120)
     assert verdict["passed"], verdict["error"]
+    assert verdict["dtype"] == dtype
 
 
 # ---------------------------------------------------------------------------------------------
@@ -192,12 +206,34 @@ def test_config_draw_is_reproducible_covers_the_grid_and_favours_small_shapes():
     assert all(c.top_k <= c.num_experts for c in a)
 
 
+def test_fp8_configs_fit_the_block_and_get_the_fp8_budgets():
+    """fp8 draws (full and tiny grids) have H and I multiples of the 128 block, are labelled fp8 and are
+    judged by the fp8 budgets, which pass an error the bf16 ones fail."""
+    fp8 = draw_configs(24, 0, dtype="fp8")
+    assert all(c.dtype == "fp8" and c.label().startswith("fp8 ") for c in fp8)
+    assert {c.hidden for c in fp8} == set(HIDDEN) and {c.intermediate for c in fp8} == set(INTERMEDIATE)
+    tiny = draw_configs(16, 0, tiny=True, dtype="fp8")
+    assert {c.intermediate for c in tiny} == set(TINY["INTERMEDIATE_FP8"])
+    assert all(c.hidden % 128 == 0 and c.intermediate % 128 == 0 for c in fp8 + tiny)
+    with pytest.raises(ValueError, match="weight dtype 'fp4'"):
+        draw_configs(4, 0, dtype="fp4")
+    bf16 = MatrixConfig(0, 8, 2, 1024, 256, (7,), "uniform", "contiguous", 0.0, seed=0)
+    fp8_cfg = MatrixConfig(0, 8, 2, 1024, 256, (7,), "uniform", "contiguous", 0.0, seed=0, dtype="fp8")
+    typical_fp8_error = ErrorStats(err_sq=(5e-3) ** 2, ref_sq=1.0, max_row_rel=1e-2, rows=64)
+    assert typical_fp8_error.within(*fp8_cfg.budgets()["ref"]) and typical_fp8_error.within(
+        *fp8_cfg.budgets()["oracle"]
+    )
+    assert not typical_fp8_error.within(*bf16.budgets()["ref"])
+
+
 @pytest.mark.timeout(200)
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU harness check; on a GPU machine FlashMoE picks the megakernel")
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="CPU harness check; on a GPU machine FlashMoE picks the megakernel"
+)
 def test_harness_runs_on_cpu_with_reference_backend(tmp_path):
-    """The GPU runner's rank code, over gloo with the CPU reference backend: all checks pass and the
-    records carry the fields the report needs."""
-    configs = draw_configs(5, SESSION_SEED, tiny=True)
+    """The GPU runner's rank code, over gloo with the CPU reference backend, for both weight dtypes: all
+    checks pass and the records carry the fields the report needs."""
+    configs = [c for d in WEIGHT_DTYPES for c in draw_configs(4, SESSION_SEED, tiny=True, dtype=d)]
     task = gpu_task(configs) | {
         "device": "cpu",
         "tiny": True,
@@ -205,19 +241,37 @@ def test_harness_runs_on_cpu_with_reference_backend(tmp_path):
     }
     result = run_world(2, task, tmp_path, limit_s=150)
     assert result["error"] is None, result["error"]
-    assert [r["check"] for r in result["records"]].count("matrix") == 5
-    assert {r["check"] for r in result["records"]} == {"matrix", "determinism", "stress", "put"}
     assert all(r["passed"] for r in result["records"]), failures(result["records"])
-    matrix = records_of(result, "matrix")
-    assert all(r["backend"] == "reference" and r["nonfinite_ref"] == 0 for r in matrix)
-    assert max(r["rel_err_oracle"] for r in matrix) > 0, "every configuration compared empty outputs"
+    for dtype in WEIGHT_DTYPES:
+        assert {r["check"] for r in result["records"] if r["dtype"] == dtype} == {
+            "matrix",
+            "determinism",
+            "stress",
+            "put",
+        }
+        matrix = records_of(result, "matrix", dtype)
+        assert len(matrix) == 4 and all(r["config"]["dtype"] == dtype for r in matrix)
+        assert all(r["backend"] == "reference" and r["nonfinite_ref"] == 0 for r in matrix)
+        assert max(r["rel_err_oracle"] for r in matrix) > 0, "every configuration compared empty outputs"
+    # The CPU backend computes the fp8 reference itself (world 2: the distributed one, the same bits).
+    assert all(r["rel_err_ref"] == 0 for r in records_of(result, "matrix", "fp8"))
 
 
 def test_merged_record_fails_when_any_rank_fails():
-    line = {"check": "matrix", "index": 3, "passed": True, "rank_error": None, "rel_err_ref": 1e-5}
+    line = {
+        "check": "matrix",
+        "dtype": "bf16",
+        "index": 3,
+        "passed": True,
+        "rank_error": None,
+        "rel_err_ref": 1e-5,
+    }
     merged = merge_records([{**line, "rank": 0}, {**line, "rank": 1, "passed": False, "rank_error": "boom"}])
     assert len(merged) == 1 and not merged[0]["passed"] and merged[0]["errors"] == {"1": "boom"}
     assert merge_records([{**line, "rank": 1}, {**line, "rank": 0}])[0]["passed"]
+    # The same check and index in the other dtype is another record.
+    both = merge_records([{**line, "rank": 0}, {**line, "rank": 0, "dtype": "fp8", "passed": False}])
+    assert [(r["dtype"], r["passed"]) for r in both] == [("bf16", True), ("fp8", False)]
 
 
 def _status_message(rank: int, peer: int, phase: int) -> str:

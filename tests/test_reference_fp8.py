@@ -323,19 +323,16 @@ def test_oracle_bound_is_meaningful(gen):
 E_BAD, K_BAD, T_BAD = 4, 2, 5
 
 
+def fp8_args(x, ids, w, weights) -> dict:
+    """One call's inputs by short name; ``weights`` = (w13, s13, w2, s2)."""
+    return dict(zip(("x", "ids", "w", "w13", "s13", "w2", "s2"), (x, ids, w, *weights), strict=True))
+
+
 def _valid_fp8_inputs(H=512, inter=128):
     g = torch.Generator().manual_seed(3)
     ids, w = random_routing(T_BAD, E_BAD, K_BAD, "uniform", g)
-    w13, s13, w2, s2 = random_fp8_expert_weights(E_BAD, H, inter, g)
-    return {
-        "x": random_grouped_hidden(T_BAD, H, g),
-        "ids": ids,
-        "w": w,
-        "w13": w13,
-        "s13": s13,
-        "w2": w2,
-        "s2": s2,
-    }
+    weights = random_fp8_expert_weights(E_BAD, H, inter, g)
+    return fp8_args(random_grouped_hidden(T_BAD, H, g), ids, w, weights)
 
 
 def _unaligned(H, inter):
@@ -415,6 +412,16 @@ DIST_CASES = {
 }
 
 
+def ep_case(x, ids, w, weights, placement: ExpertPlacement, tokens: tuple[int, int]) -> dict:
+    """One two-rank EP case as the gloo workers load it: the global batch, every expert's ``weights``
+    (w13, s13, w2, s2), the placement and each rank's rows (``tokens`` per rank)."""
+    return fp8_args(x, ids, w, weights) | {
+        "expert_rank": placement.expert_rank,
+        "expert_local": placement.expert_local,
+        "offsets": [0, tokens[0], sum(tokens)],
+    }
+
+
 def _fp8_gloo_worker(rank: int, world: int, port: int, cases_path: str, out_dir: str) -> None:
     init_cpu_rank(rank, world, port)
     try:
@@ -438,19 +445,8 @@ def test_distributed_fp8_equals_single_rank(gen, tmp_path):
     for name, (E, k, H, inter, tokens, placement_kind, drop) in DIST_CASES.items():
         placement = make_placement(placement_kind, E, DIST_WORLD, gen)
         ids, w = random_routing(sum(tokens), E, k, "zipf", gen, drop_prob=drop)
-        w13, s13, w2, s2 = random_fp8_expert_weights(E, H, inter, gen)
-        cases[name] = {
-            "x": random_grouped_hidden(sum(tokens), H, gen),
-            "ids": ids,
-            "w": w,
-            "w13": w13,
-            "s13": s13,
-            "w2": w2,
-            "s2": s2,
-            "expert_rank": placement.expert_rank,
-            "expert_local": placement.expert_local,
-            "offsets": [0, tokens[0], sum(tokens)],
-        }
+        weights = random_fp8_expert_weights(E, H, inter, gen)
+        cases[name] = ep_case(random_grouped_hidden(sum(tokens), H, gen), ids, w, weights, placement, tokens)
     torch.save(cases, tmp_path / "cases.pt")
     run_ranks(_fp8_gloo_worker, DIST_WORLD, (str(tmp_path / "cases.pt"), str(tmp_path)), timeout=150)
     per_rank = [torch.load(tmp_path / f"rank{r}.pt") for r in range(DIST_WORLD)]

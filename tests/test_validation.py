@@ -5,7 +5,8 @@ by the megakernel, duplicates summed).
 
 CPU tests run the CPU path (FlashMoE on ``device="cpu"``, the reference functions, the gloo backend).
 GPU tests (marked ``gpu``, skip without an sm_90 GPU) spawn rank processes that run the same cases
-(``validation_cases.py``) against the megakernel.
+(``validation_cases.py``) against the megakernel. Block-fp8 layers (issue 15) get the same treatment
+with their own cases (the scales and the fp8 half of the contract).
 """
 
 from __future__ import annotations
@@ -26,12 +27,15 @@ from tolerances import (
 from validation_cases import (
     ARGS,
     BAD_CALLS,
+    FP8_BAD_CALLS,
     MAX_T,
     E,
     bad_call_failures,
     cpu_duplicates_worker,
     duplicate_routing,
+    fp8_reference,
     gpu_bad_inputs_worker,
+    gpu_fp8_bad_inputs_worker,
     gpu_routing_ids_worker,
     layer_spec,
     valid_call,
@@ -47,8 +51,12 @@ def no_backend_override(monkeypatch):
 
 
 def cpu_layer(spec: MoELayerSpec | None = None) -> FlashMoE:
-    layer = FlashMoE(spec or layer_spec(), ExpertPlacement.contiguous((spec or layer_spec()).num_experts, 1), None,
-                     device=CPU)
+    layer = FlashMoE(
+        spec or layer_spec(),
+        ExpertPlacement.contiguous((spec or layer_spec()).num_experts, 1),
+        None,
+        device=CPU,
+    )
     assert layer.backend == "reference"
     return layer
 
@@ -67,6 +75,18 @@ def test_the_bad_call_cases_are_valid_without_their_corruption(seed):
     a = valid_call(CPU, seed)
     out = a["out"]
     assert cpu_layer()(**a) is out and bool(torch.isfinite(out).all())
+
+
+@pytest.mark.parametrize("case", FP8_BAD_CALLS, ids=[c.name for c in FP8_BAD_CALLS])
+def test_cpu_fp8_layer_refuses_bad_call_before_computing(case, seed):
+    assert bad_call_failures(cpu_layer(layer_spec(dtype="fp8")), [case], CPU, seed, "fp8") == []
+
+
+def test_the_fp8_bad_call_cases_are_valid_without_their_corruption(seed):
+    a = valid_call(CPU, seed, dtype="fp8")
+    out = a["out"]
+    assert cpu_layer(layer_spec(dtype="fp8"))(**a) is out
+    assert torch.equal(out, fp8_reference(a)) and float(out.float().norm()) > 0
 
 
 @pytest.mark.parametrize("name", ARGS)
@@ -95,8 +115,16 @@ SPEC_FIELDS = ("num_experts", "top_k", "hidden_size", "intermediate_size", "max_
 @pytest.mark.parametrize("field", SPEC_FIELDS)
 @pytest.mark.parametrize("value", [True, False, 8.0, "8", None], ids=repr)
 def test_spec_fields_must_be_real_ints(field, value):
-    base = {"num_experts": 8, "top_k": 2, "hidden_size": 256, "intermediate_size": 128, "max_tokens_per_rank": 64}
-    with pytest.raises(TypeError, match=f"^MoELayerSpec.{field} must be a positive int, got {type(value).__name__}"):
+    base = {
+        "num_experts": 8,
+        "top_k": 2,
+        "hidden_size": 256,
+        "intermediate_size": 128,
+        "max_tokens_per_rank": 64,
+    }
+    with pytest.raises(
+        TypeError, match=f"^MoELayerSpec.{field} must be a positive int, got {type(value).__name__}"
+    ):
         MoELayerSpec(**{**base, field: value})
 
 
@@ -147,9 +175,16 @@ def test_minus_one_is_no_expert(seed):
     got = cpu_layer()(**a)
     assert bool((got[0] == 0).all())
     # Row 1 is its other slot alone (same rounding; the GEMM batch differs, so not bit for bit).
-    alone = moe_reference(a["hidden_states"][1:2], a["topk_ids"][1:2, 1:].contiguous(),
-                          a["topk_weights"][1:2, 1:].contiguous(), a["w13"], a["w2"])
-    assert_within(got[1:2], alone, SAME_ROUNDING_REL_FRO, SAME_ROUNDING_ROW_REL, "-1 slot vs the row without it")
+    alone = moe_reference(
+        a["hidden_states"][1:2],
+        a["topk_ids"][1:2, 1:].contiguous(),
+        a["topk_weights"][1:2, 1:].contiguous(),
+        a["w13"],
+        a["w2"],
+    )
+    assert_within(
+        got[1:2], alone, SAME_ROUNDING_REL_FRO, SAME_ROUNDING_ROW_REL, "-1 slot vs the row without it"
+    )
 
 
 def test_duplicate_ids_are_summed_on_the_cpu_backends(seed):
@@ -204,8 +239,17 @@ def test_gpu_routing_ids_agree_with_reference(world, tmp_path, seed):
     run_ranks(gpu_routing_ids_worker, world, (str(tmp_path), seed), timeout=600)
 
 
+@pytest.mark.gpu
+@pytest.mark.timeout(660)
+def test_gpu_fp8_layer_refuses_bad_call_before_launch(tmp_path, seed):
+    """Every case of FP8_BAD_CALLS plus the megakernel's own (scales on the CPU, not contiguous) on a block-fp8
+    layer; ``out`` stays NaN; a valid call on fresh random inputs afterwards matches the fp8 reference."""
+    if reason := gpu_skip_reason(1):
+        pytest.skip(reason)
+    run_ranks(gpu_fp8_bad_inputs_worker, 1, (str(tmp_path), seed), timeout=600)
+
+
 def test_gpu_tests_skip_cleanly_here():
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     assert "CUDA is not available" in gpu_skip_reason(1)
-

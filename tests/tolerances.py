@@ -100,6 +100,23 @@ def fp8_row_rel(intermediate: int) -> float:
     return max(FP8_ORACLE_REL_FRO, FP8_ROW_FLIP_COEFF / intermediate**0.5)
 
 
+WEIGHT_DTYPES = ("bf16", "fp8")
+
+
+def kernel_budgets(dtype: str, intermediate: int) -> dict[str, tuple[float, float]]:
+    """A kernel's (batch rel Frobenius, row rel) budgets for ``dtype`` weights ("bf16", or "fp8": block-fp8),
+    keyed by what it is compared with: "ref" (the same-rounding reference) and "oracle" (the fp64 oracle)."""
+    if dtype == "bf16":
+        return {
+            "ref": (SAME_ROUNDING_REL_FRO, SAME_ROUNDING_ROW_REL),
+            "oracle": (ORACLE_REL_FRO, ORACLE_ROW_REL),
+        }
+    if dtype == "fp8":
+        row = fp8_row_rel(intermediate)
+        return {"ref": (FP8_SAME_ROUNDING_REL_FRO, row), "oracle": (FP8_ORACLE_REL_FRO, row)}
+    raise ValueError(f"weight dtype {dtype!r}: expected one of {WEIGHT_DTYPES}")
+
+
 @dataclass
 class ErrorStats:
     """Sums that combine across ranks by addition (squares) or max; ``rel_fro`` and ``max_row_rel`` read them."""
@@ -184,3 +201,9 @@ def assert_within(
         f"non-zero in all-skipped rows {stats.nonzero_in_zero_rows}"
     )
     return stats
+
+
+def within_kernel_budgets(stats: dict[str, ErrorStats], dtype: str, intermediate: int) -> bool:
+    """Every comparison in ``stats`` ("ref", "oracle") within :func:`kernel_budgets`."""
+    budgets = kernel_budgets(dtype, intermediate)
+    return all(s.within(*budgets[against]) for against, s in stats.items())

@@ -1,5 +1,6 @@
 """Issue 19's bad inputs and the routing-id rules, shared by the CPU tests in ``test_validation.py`` and
-the rank processes its GPU tests spawn, so both backends are held to one list.
+the rank processes its GPU tests spawn, so both backends are held to one list. Block-fp8 layers (issue 15)
+have their own list (``FP8_BAD_CALLS``: the scales and the fp8 half of the contract).
 
 Every bad call is made with ``out=`` filled with NaN: a call that raised must have left it untouched
 (nothing computed). The GPU rank functions collect every failing case and raise once at the end, so a
@@ -14,27 +15,57 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from flashmoe import ExpertPlacement, FlashMoE, MoELayerSpec, moe_reference
-from moe_inputs import random_expert_weights, random_hidden, random_routing
-from tolerances import SAME_ROUNDING_REL_FRO, SAME_ROUNDING_ROW_REL, error_stats
+from flashmoe import ExpertPlacement, FlashMoE, MoELayerSpec, moe_reference, moe_reference_fp8
+from moe_inputs import (
+    random_expert_weights,
+    random_fp8_expert_weights,
+    random_grouped_hidden,
+    random_hidden,
+    random_routing,
+)
+from tolerances import error_stats, kernel_budgets
 
-# Shapes the megakernel accepts (H % 128, I % 64), small enough for CPU.
+# Shapes the megakernel accepts (H % 128, I % 64; fp8: both % 128), small enough for CPU.
 E, K, H, I, T, MAX_T = 8, 2, 256, 128, 16, 64
 ARGS = ("hidden_states", "topk_ids", "topk_weights", "w13", "w2")
+SCALES = ("w13_scale_inv", "w2_scale_inv")
 
 
-def layer_spec(max_tokens: int = MAX_T) -> MoELayerSpec:
-    return MoELayerSpec(E, K, H, I, max_tokens)
+def layer_spec(max_tokens: int = MAX_T, dtype: str = "bf16") -> MoELayerSpec:
+    """The layer of these cases; ``dtype="fp8"``: block-fp8 experts."""
+    return MoELayerSpec(E, K, H, I, max_tokens, weight_dtype=torch.float8_e4m3fn if dtype == "fp8" else None)
 
 
-def valid_call(device, seed: int, tokens: int = T) -> dict:
-    """Keyword arguments of one valid single-rank call (all E experts local), with a NaN ``out``."""
+def valid_call(device, seed: int, tokens: int = T, dtype: str = "bf16") -> dict:
+    """Keyword arguments of one valid single-rank call (all E experts local), with a NaN ``out``.
+    ``dtype="fp8"``: block-fp8 weights with their scales and token groups of random magnitude
+    (``moe_inputs``' fp8 draws), for :func:`layer_spec` ``(dtype="fp8")``."""
     gen = torch.Generator(device=device).manual_seed(seed)
     ids, w = random_routing(tokens, E, K, "uniform", gen, device, drop_prob=0.2)
-    w13, w2 = random_expert_weights(E, H, I, gen, device)
-    x = random_hidden(tokens, H, gen, device)
-    return {"hidden_states": x, "topk_ids": ids, "topk_weights": w, "w13": w13, "w2": w2,
-            "out": torch.full_like(x, float("nan"))}
+    if dtype == "fp8":
+        w13, w13_scale_inv, w2, w2_scale_inv = random_fp8_expert_weights(E, H, I, gen, device)
+        x = random_grouped_hidden(tokens, H, gen, device)
+        scales = {"w13_scale_inv": w13_scale_inv, "w2_scale_inv": w2_scale_inv}
+    else:
+        w13, w2 = random_expert_weights(E, H, I, gen, device)
+        x = random_hidden(tokens, H, gen, device)
+        scales = {}
+    return {
+        "hidden_states": x,
+        "topk_ids": ids,
+        "topk_weights": w,
+        "w13": w13,
+        "w2": w2,
+        **scales,
+        "out": torch.full_like(x, float("nan")),
+    }
+
+
+def fp8_reference(a: dict) -> torch.Tensor:
+    """The fp8 reference of a :func:`valid_call` ``(dtype="fp8")`` (single rank, all experts local)."""
+    return moe_reference_fp8(
+        *(a[n] for n in ARGS[:3]), a["w13"], a["w13_scale_inv"], a["w2"], a["w2_scale_inv"]
+    )
 
 
 @dataclass(frozen=True)
@@ -46,8 +77,12 @@ class BadCall:
 
 
 def _narrow_hidden(a: dict) -> None:
-    a.update(hidden_states=a["hidden_states"][:, :128].contiguous(), w13=a["w13"][:, :, :128].contiguous(),
-             w2=a["w2"][:, :128].contiguous(), out=a["out"][:, :128].contiguous())
+    a.update(
+        hidden_states=a["hidden_states"][:, :128].contiguous(),
+        w13=a["w13"][:, :, :128].contiguous(),
+        w2=a["w2"][:, :128].contiguous(),
+        out=a["out"][:, :128].contiguous(),
+    )
 
 
 def _narrow_inter(a: dict) -> None:
@@ -61,42 +96,166 @@ def _to_fp32(a: dict) -> None:
 
 def _too_many_tokens(a: dict) -> None:
     reps = MAX_T // T + 1
-    a.update({n: a[n].repeat(reps, *[1] * (a[n].dim() - 1)) for n in ("hidden_states", "topk_ids", "topk_weights", "out")})
+    a.update(
+        {
+            n: a[n].repeat(reps, *[1] * (a[n].dim() - 1))
+            for n in ("hidden_states", "topk_ids", "topk_weights", "out")
+        }
+    )
 
 
 # What the layer's spec (E=8, k=2, H=256, I=128, bf16, 64 tokens) rules out, on every backend.
 BAD_CALLS = [
-    BadCall("H_differs_from_spec", _narrow_hidden, ValueError, "hidden_states has H=128, the layer's hidden_size is 256"),
-    BadCall("I_differs_from_spec", _narrow_inter, ValueError, "w13/w2 have I=64, the layer's intermediate_size is 128"),
-    BadCall("k_differs_from_spec", lambda a: a.update(topk_ids=a["topk_ids"][:, :1].contiguous(),
-                                                      topk_weights=a["topk_weights"][:, :1].contiguous()),
-            ValueError, "topk_ids has k=1, the layer's top_k is 2"),
-    BadCall("fp32_under_bf16_spec", _to_fp32, ValueError,
-            r"hidden_states dtype torch.float32 differs from the layer's dtype torch.bfloat16"),
+    BadCall(
+        "H_differs_from_spec",
+        _narrow_hidden,
+        ValueError,
+        "hidden_states has H=128, the layer's hidden_size is 256",
+    ),
+    BadCall(
+        "I_differs_from_spec",
+        _narrow_inter,
+        ValueError,
+        "w13/w2 have I=64, the layer's intermediate_size is 128",
+    ),
+    BadCall(
+        "k_differs_from_spec",
+        lambda a: a.update(
+            topk_ids=a["topk_ids"][:, :1].contiguous(), topk_weights=a["topk_weights"][:, :1].contiguous()
+        ),
+        ValueError,
+        "topk_ids has k=1, the layer's top_k is 2",
+    ),
+    BadCall(
+        "fp32_under_bf16_spec",
+        _to_fp32,
+        ValueError,
+        r"hidden_states dtype torch.float32 differs from the layer's dtype torch.bfloat16",
+    ),
     BadCall("tokens_over_max", _too_many_tokens, ValueError, "80 tokens exceed max_tokens_per_rank=64"),
-    BadCall("out_wrong_dtype", lambda a: a.update(out=a["out"].float()), ValueError, r"out must be \(16, 256\)"),
-    BadCall("out_is_list", lambda a: a.update(out=a["out"].tolist()), TypeError, "out must be a torch.Tensor or None"),
+    BadCall(
+        "out_wrong_dtype", lambda a: a.update(out=a["out"].float()), ValueError, r"out must be \(16, 256\)"
+    ),
+    BadCall(
+        "out_is_list",
+        lambda a: a.update(out=a["out"].tolist()),
+        TypeError,
+        "out must be a torch.Tensor or None",
+    ),
 ] + [
-    BadCall(f"{name}_is_{kind}", lambda a, n=name, f=make: a.update({n: f(a[n])}), TypeError,
-            f"{name} must be a torch.Tensor, got {kind}")
+    BadCall(
+        f"{name}_is_{kind}",
+        lambda a, n=name, f=make: a.update({n: f(a[n])}),
+        TypeError,
+        f"{name} must be a torch.Tensor, got {kind}",
+    )
     for name in ARGS
     for kind, make in (("list", lambda t: t.tolist()), ("NoneType", lambda t: None))
 ]
 
 # What only the megakernel needs (the reference takes any device and strides).
 GPU_ONLY_BAD_CALLS = [
-    BadCall("tensors_on_cpu", lambda a: a.update({n: t.cpu() for n, t in a.items()}), ValueError,
-            "hidden_states is on cpu, the layer on cuda:0"),
-    BadCall("w13_not_contiguous", lambda a: a.update(w13=a["w13"].transpose(1, 2).contiguous().transpose(1, 2)),
-            ValueError, "w13 must be contiguous"),
+    BadCall(
+        "tensors_on_cpu",
+        lambda a: a.update({n: t.cpu() for n, t in a.items()}),
+        ValueError,
+        "hidden_states is on cpu, the layer on cuda:0",
+    ),
+    BadCall(
+        "w13_not_contiguous",
+        lambda a: a.update(w13=a["w13"].transpose(1, 2).contiguous().transpose(1, 2)),
+        ValueError,
+        "w13 must be contiguous",
+    ),
 ]
 
 
-def bad_call_failures(layer: FlashMoE, cases: list[BadCall], device, seed: int) -> list[str]:
-    """Run every case on ``layer``; return one line per case that did not raise as expected or wrote ``out``."""
+def _set(name: str, make) -> Callable[[dict], None]:
+    return lambda a: a.update({name: make(a[name])})
+
+
+# What the fp8 layer's contract (flashmoe.validation: scales [E, 2I/128, H/128] and [E, H/128, I/128] fp32,
+# e4m3 weights, bf16 tokens) rules out, on every backend. E=8, H=256, I=128: w13_scale_inv [8, 2, 2],
+# w2_scale_inv [8, 2, 1].
+FP8_BAD_CALLS = [
+    BadCall(
+        "scales_missing",
+        lambda a: a.update(w13_scale_inv=None, w2_scale_inv=None),
+        ValueError,
+        "w13_scale_inv and w2_scale_inv required: this layer's weights are block-fp8",
+    ),
+    BadCall(
+        "w2_scale_inv_missing", _set("w2_scale_inv", lambda t: None), ValueError, "w2_scale_inv required"
+    ),
+    BadCall(
+        "w2_scale_inv_transposed",
+        _set("w2_scale_inv", lambda t: t.transpose(1, 2)),
+        ValueError,
+        r"w2_scale_inv shape \(8, 1, 2\) != \(8, 2, 1\) \(one scale per 128 x 128 block\)",
+    ),
+    BadCall(
+        "w13_scale_inv_missing_expert",
+        _set("w13_scale_inv", lambda t: t[:-1]),
+        ValueError,
+        r"w13_scale_inv shape \(7, 2, 2\) != \(8, 2, 2\)",
+    ),
+    BadCall(
+        "w2_scale_inv_per_expert",
+        _set("w2_scale_inv", lambda t: t.amax(dim=(1, 2))),
+        ValueError,
+        r"w2_scale_inv shape \(8,\) != \(8, 2, 1\)",
+    ),
+    BadCall(
+        "w13_scale_inv_bf16",
+        _set("w13_scale_inv", lambda t: t.bfloat16()),
+        ValueError,
+        "w13_scale_inv must be float32, got torch.bfloat16",
+    ),
+    BadCall(
+        "w13_scale_inv_is_list",
+        _set("w13_scale_inv", lambda t: t.tolist()),
+        TypeError,
+        "w13_scale_inv must be a torch.Tensor, got list",
+    ),
+    BadCall(
+        "weights_bf16",
+        lambda a: a.update(w13=a["w13"].bfloat16(), w2=a["w2"].bfloat16()),
+        ValueError,
+        r"w13/w2 dtype \(torch.bfloat16, torch.bfloat16\) must be torch.float8_e4m3fn when scales are given",
+    ),
+    BadCall(
+        "hidden_states_fp32",
+        lambda a: a.update(hidden_states=a["hidden_states"].float(), out=a["out"].float()),
+        ValueError,
+        "hidden_states dtype torch.float32: the fp8 path takes bf16 hidden states",
+    ),
+]
+
+# What only the megakernel needs of the scales (it reads them in place).
+FP8_GPU_ONLY_BAD_CALLS = [
+    BadCall(
+        "w2_scale_inv_on_cpu",
+        _set("w2_scale_inv", lambda t: t.cpu()),
+        ValueError,
+        "w2_scale_inv is on cpu, hidden_states on cuda:0",
+    ),
+    BadCall(
+        "w13_scale_inv_not_contiguous",
+        _set("w13_scale_inv", lambda t: t.transpose(1, 2).contiguous().transpose(1, 2)),
+        ValueError,
+        "w13_scale_inv must be contiguous",
+    ),
+]
+
+
+def bad_call_failures(
+    layer: FlashMoE, cases: list[BadCall], device, seed: int, dtype: str = "bf16"
+) -> list[str]:
+    """Run every case on ``layer``, each on a fresh :func:`valid_call` of ``dtype``; return one line per case
+    that did not raise as expected or wrote ``out``."""
     failures = []
     for case in cases:
-        a = valid_call(device, seed)
+        a = valid_call(device, seed, dtype=dtype)
         case.corrupt(a)
         out = a["out"]
         try:
@@ -134,12 +293,16 @@ def duplicate_routing(tokens: int, num_experts: int, k: int, world: int, seed: i
 # ---------------------------------------------------------------------------------------------
 
 
-def _close(got: torch.Tensor, expected: torch.Tensor, what: str) -> list[str]:
+def _close(got: torch.Tensor, expected: torch.Tensor, what: str, dtype: str = "bf16") -> list[str]:
+    """``got`` against the same-rounding reference ``expected`` of ``dtype`` weights, within its budget."""
+    budget = kernel_budgets(dtype, I)["ref"]
     s = error_stats(got, expected)
-    if s.within(SAME_ROUNDING_REL_FRO, SAME_ROUNDING_ROW_REL):
+    if s.within(*budget):
         return []
-    return [f"{what}: rel Frobenius {s.rel_fro:.3e}, worst row {s.max_row_rel:.3e}, non-finite {s.nonfinite} "
-            f"(budgets {SAME_ROUNDING_REL_FRO:.3e}, {SAME_ROUNDING_ROW_REL:.3e})"]
+    return [
+        f"{what}: rel Frobenius {s.rel_fro:.3e}, worst row {s.max_row_rel:.3e}, non-finite {s.nonfinite} "
+        f"(budgets {budget[0]:.3e}, {budget[1]:.3e})"
+    ]
 
 
 def _megakernel_layer(spec: MoELayerSpec, world: int, name: str) -> FlashMoE:
@@ -169,6 +332,24 @@ def gpu_bad_inputs_worker(rank: int, world: int, port: int, out_dir: str, seed: 
     failures += _close(got, moe_reference(*(a[n] for n in ARGS)), "valid call after the bad ones")
     if failures:
         raise AssertionError("GPU path:\n" + "\n".join(failures))
+    dist.destroy_process_group()
+
+
+def gpu_fp8_bad_inputs_worker(rank: int, world: int, port: int, out_dir: str, seed: int) -> None:
+    """The fp8 layer on the megakernel: every case of FP8_BAD_CALLS and FP8_GPU_ONLY_BAD_CALLS refused before
+    launch with ``out`` untouched, then a valid call on fresh random inputs within the fp8 budget of
+    :func:`flashmoe.moe_reference_fp8`."""
+    from megakernel_cases import init_rank
+
+    ctx = init_rank(rank, world, port, "cuda", out_dir)
+    layer = _megakernel_layer(layer_spec(dtype="fp8"), world, "validation_fp8")
+    failures = bad_call_failures(layer, FP8_BAD_CALLS + FP8_GPU_ONLY_BAD_CALLS, ctx.device, seed, "fp8")
+    a = valid_call(ctx.device, seed, dtype="fp8")
+    got = layer(**a)
+    ctx.sync()
+    failures += _close(got, fp8_reference(a), "valid fp8 call after the bad ones", "fp8")
+    if failures:
+        raise AssertionError("GPU path, fp8 layer:\n" + "\n".join(failures))
     dist.destroy_process_group()
 
 
@@ -220,16 +401,22 @@ def cpu_duplicates_worker(rank: int, world: int, port: int, out_dir: str, seed: 
 
     init_rank(rank, world, port, "cpu", out_dir)
     num_experts, k = 4, 4
-    layer = FlashMoE(MoELayerSpec(num_experts, k, H, I, MAX_T), ExpertPlacement.contiguous(num_experts, world),
-                     device=torch.device("cpu"))
+    layer = FlashMoE(
+        MoELayerSpec(num_experts, k, H, I, MAX_T),
+        ExpertPlacement.contiguous(num_experts, world),
+        device=torch.device("cpu"),
+    )
     gen = torch.Generator().manual_seed(seed)
     w13_all, w2_all = random_expert_weights(num_experts, H, I, gen)
     per_rank = num_experts // world
     mine = slice(rank * per_rank, (rank + 1) * per_rank)
     x = random_hidden(T, H, gen)
     ids, w = duplicate_routing(T, num_experts, k, world, seed + rank, "cpu")
-    failures = _close(layer(x, ids, w, w13_all[mine], w2_all[mine]), moe_reference(x, ids, w, w13_all, w2_all),
-                      f"rank {rank}: distributed CPU backend, duplicate ids")
+    failures = _close(
+        layer(x, ids, w, w13_all[mine], w2_all[mine]),
+        moe_reference(x, ids, w, w13_all, w2_all),
+        f"rank {rank}: distributed CPU backend, duplicate ids",
+    )
     if failures:
         raise AssertionError("\n".join(failures))
     dist.barrier()

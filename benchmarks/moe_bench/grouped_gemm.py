@@ -118,9 +118,10 @@ def _fast_path_note(device: torch.device) -> str:
 #
 # * ``scaled_mm_loop`` — the fp8 layer's own function: each row quantised per 128-group
 #   (:func:`flashmoe.fp8.quantize_per_token_group`), one ``torch._scaled_mm`` per non-empty expert with 1x128
-#   activation and 128x128 weight block scales (cuBLASLt on sm_90, CUDA >= 12.9) giving GEMM0 in fp32, the
-#   SwiGLU in fp32, the activation quantised per 128-group the same way, GEMM1 to bf16. Checked against
-#   :func:`flashmoe.reference_fp8.moe_reference_fp8` with the fp8 budgets.
+#   activation scales and the weights' block scales (cuBLASLt on sm_90, CUDA >= 12.9; see
+#   :func:`weight_scale_recipe`) giving GEMM0 in fp32, the SwiGLU in fp32, the activation quantised per
+#   128-group the same way, GEMM1 to bf16. Checked against :func:`flashmoe.reference_fp8.moe_reference_fp8`
+#   with the fp8 budgets.
 # * ``dequant_bf16_mm_loop`` — where torch has no block-scaled fp8 GEMM on the device (e.g. a CPU): each
 #   touched expert's weights dequantised to bf16 on every call (fp32 product, one rounding), then the bf16
 #   SwiGLU with ``torch.mm``. Activations are not quantised, so it computes another function (the bf16
@@ -133,6 +134,36 @@ SCALED_MM_LOOP = "scaled_mm_loop"
 DEQUANT_MM_LOOP = "dequant_bf16_mm_loop"
 FP8_GEMM_CHOICES = ("auto", SCALED_MM_LOOP, DEQUANT_MM_LOOP)
 SCALED_MM_ROW_MULTIPLE = 4  # cuBLASLt's block-scaled fp8 GEMM wants M % 4 == 0 (vLLM pads the same way)
+
+# How cuBLASLt reads 128x128 block scales: K-major with a leading dimension of round_up(K/128, 4) (cuBLAS
+# docs, "1D and 128x128 2D block scaling for FP8"; PyTorch's test/test_scaled_matmul_cuda.py pads them so,
+# `_pad_128x128_scales`). torch._scaled_mm (ScaledBlas.cpp, is_blockwise_128x128_scaling) accepts only the
+# unpadded [N/128, K/128] row-major layout and passes its pointer on, so where K/128 % 4 != 0 and the
+# weight has more than one 128-row block, cuBLASLt reads every block row after the first from the wrong
+# place: no error, a wrong product (the probe below on H200s, K = 384, N = 256: rel err 31.9,
+# benchmarks/results/2026-11-22-h200x2-layer-serving-fp8.json, config.fp8.expert_gemm_note). There the
+# weights' scales go as 1x128 (one scale per row and 128-K group, each row its block's), which torch and
+# cuBLASLt lay out alike ([K/128, N] N-major) and which computes the same products.
+SCALE_LEADING_DIM_MULTIPLE = 4
+BLOCK_128x128 = "128x128"
+BLOCK_1x128 = "1x128 (block scales repeated per row)"
+
+
+def weight_scale_recipe(n: int, k: int) -> str:
+    """The scale recipe :func:`scaled_mm_blockwise` uses for a weight ``[n, k]`` (see above)."""
+    if -(-n // 128) == 1 or (k // 128) % SCALE_LEADING_DIM_MULTIPLE == 0:
+        return BLOCK_128x128
+    return BLOCK_1x128
+
+
+def weight_scale_b(s_w: torch.Tensor) -> torch.Tensor:
+    """``scale_b`` of ``torch._scaled_mm(a, w.T, ...)`` for block scales ``s_w [..., N/128, K/128]`` (one
+    expert, or all of them: index the result by expert). 128x128: the transposed view; 1x128: ``[..., K/128,
+    N]``, contiguous (a new tensor of N·K/128 fp32: compute it once per weight, not per call)."""
+    n, k = s_w.shape[-2] * 128, s_w.shape[-1] * 128
+    if weight_scale_recipe(n, k) == BLOCK_128x128:
+        return s_w.transpose(-1, -2)
+    return s_w.repeat_interleave(128, dim=-2).transpose(-1, -2).contiguous()
 
 
 class BlockFp8:
@@ -147,10 +178,18 @@ class BlockFp8:
             )
         self.q = q
         self.scale_inv = scale_inv
+        self._scale_b = None
 
     @property
     def shape(self) -> torch.Size:
         return self.q.shape
+
+    def scale_b(self, e: int) -> torch.Tensor:
+        """Expert ``e``'s ``scale_b`` for ``torch._scaled_mm`` (:func:`weight_scale_b`), built for every
+        expert on first use (the warm-up before a graph capture) and kept."""
+        if self._scale_b is None:
+            self._scale_b = weight_scale_b(self.scale_inv)
+        return self._scale_b[e]
 
     def expert(self, e: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """Expert ``e``'s dequantised weight ``[N, K]``: the fp32 product (exact but for one rounding),
@@ -182,13 +221,19 @@ class _DequantizedExperts:
 
 
 def scaled_mm_blockwise(
-    q_a: torch.Tensor, s_a: torch.Tensor, q_w: torch.Tensor, s_w: torch.Tensor, out_dtype: torch.dtype
+    q_a: torch.Tensor,
+    s_a: torch.Tensor,
+    q_w: torch.Tensor,
+    s_w: torch.Tensor,
+    out_dtype: torch.dtype,
+    scale_b: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``a @ w.T`` for ``a = (q_a [m, K] e4m3, s_a [m, K/128] fp32)`` scaled per row and 128-group and ``w =
-    (q_w [N, K] e4m3, s_w [N/128, K/128] fp32)`` per 128 x 128 block, by ``torch._scaled_mm``'s (BlockWise1x128,
-    BlockWise128x128) recipe. Its layouts: ``a`` row-major, ``b = w.T`` column-major, ``scale_a`` [m, K/128]
-    outer-dim-major (strides (1, m)), ``scale_b`` [K/128, N/128] with ``scale_b.T = s_w`` row-major. Rows are
-    zero-padded to a multiple of :data:`SCALED_MM_ROW_MULTIPLE` and the result sliced back."""
+    (q_w [N, K] e4m3, s_w [N/128, K/128] fp32)`` per 128 x 128 block, by ``torch._scaled_mm`` with 1x128 scales
+    on ``a`` and :func:`weight_scale_recipe`'s on ``w``. Layouts: ``a`` row-major, ``b = w.T`` column-major,
+    ``scale_a`` [m, K/128] outer-dim-major (strides (1, m)), ``scale_b`` = :func:`weight_scale_b` of ``s_w``
+    (pass it as ``scale_b`` to reuse it). Rows are zero-padded to a multiple of :data:`SCALED_MM_ROW_MULTIPLE`
+    and the result sliced back."""
     m, K = q_a.shape
     pad = -m % SCALED_MM_ROW_MULTIPLE
     if pad:
@@ -198,7 +243,9 @@ def scaled_mm_blockwise(
         q_a = a_bytes.view(torch.float8_e4m3fn)
         s_a = torch.cat((s_a, s_a.new_ones(pad, s_a.shape[1])))
     scale_a = s_a.t().contiguous().t()
-    out = torch._scaled_mm(q_a, q_w.t(), scale_a=scale_a, scale_b=s_w.t(), out_dtype=out_dtype)
+    if scale_b is None:
+        scale_b = weight_scale_b(s_w)
+    out = torch._scaled_mm(q_a, q_w.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
     return out[:m] if pad else out
 
 
@@ -230,11 +277,13 @@ class Fp8SwiGLU:
         gate_up = torch.empty(x.shape[0], 2 * inter, dtype=torch.float32, device=x.device)
         for e, rows in _groups(sizes):
             gate_up[rows] = scaled_mm_blockwise(
-                q_x[rows], s_x[rows], w13.q[e], w13.scale_inv[e], torch.float32
+                q_x[rows], s_x[rows], w13.q[e], w13.scale_inv[e], torch.float32, w13.scale_b(e)
             )
         q_a, s_a = quantize_per_token_group(F.silu(gate_up[:, :inter]) * gate_up[:, inter:])
         for e, rows in _groups(sizes):
-            out[rows] = scaled_mm_blockwise(q_a[rows], s_a[rows], w2.q[e], w2.scale_inv[e], out.dtype)
+            out[rows] = scaled_mm_blockwise(
+                q_a[rows], s_a[rows], w2.q[e], w2.scale_inv[e], out.dtype, w2.scale_b(e)
+            )
         return out
 
     @staticmethod
@@ -272,14 +321,15 @@ def select_fp8_expert_gemm(requested: str, device: torch.device) -> tuple[str, s
             f"torch._scaled_mm has no 1x128 x 128x128 block-scaled fp8 GEMM here ({type(e).__name__}: {first_line})"
             "; weights dequantised to bf16 per call, bf16 GEMMs"
         )
-    if err > SCALED_MM_PROBE_TOL:
+    if not err <= SCALED_MM_PROBE_TOL:  # NaN (garbage read as a scale) disagrees too
         why = f"torch._scaled_mm (block-scaled) disagrees with the fp8 reference's GEMM (rel err {err:.3g})"
         if requested == SCALED_MM_LOOP:
             raise RuntimeError(why)
         return DEQUANT_MM_LOOP, why + "; weights dequantised to bf16 per call, bf16 GEMMs"
     return SCALED_MM_LOOP, (
-        f"torch._scaled_mm per expert, 1x128 activation x 128x128 weight block scales, fp32 GEMM0 output "
-        f"(probe rel err {err:.2g} against the fp8 reference's GEMM)"
+        f"torch._scaled_mm per expert, 1x128 activation scales, weight block scales as 128x128 where K/128 % "
+        f"{SCALE_LEADING_DIM_MULTIPLE} == 0 and as 1x128 per row elsewhere (config.fp8.scaled_mm_weight_scales), "
+        f"fp32 GEMM0 output (probe rel err {err:.2g} against the fp8 reference's GEMM, both weight recipes)"
     )
 
 
@@ -288,26 +338,31 @@ def select_fp8_expert_gemm(requested: str, device: torch.device) -> tuple[str, s
 SCALED_MM_PROBE_TOL = 1e-3
 
 
+# (K, N) of the probe: K/128 = 3 takes the 1x128 weight recipe, K/128 = 4 the 128x128 one; two 128-row
+# blocks each, so a block row read from the wrong place shows.
+SCALED_MM_PROBE_SHAPES = ((384, 256), (512, 256))
+
+
 def _probe_scaled_mm(device: torch.device) -> float:
     """Largest relative (Frobenius) error of :func:`scaled_mm_blockwise` against
-    :func:`flashmoe.reference_fp8.block_scaled_gemm` over row counts off the padding multiple, with block
-    scales of different magnitude (a scale read from the wrong block shows)."""
+    :func:`flashmoe.reference_fp8.block_scaled_gemm` over both weight-scale recipes and row counts off the
+    padding multiple, with block scales of different magnitude (a scale read from the wrong block shows)."""
     from flashmoe.fp8 import quantize_per_token_group, quantize_weight_blocks
     from flashmoe.reference_fp8 import block_scaled_gemm
 
     gen = torch.Generator(device=device).manual_seed(0)
-    K, N = 384, 256
-    w = torch.randn(N // 128, 128, K // 128, 128, generator=gen, device=device)
-    w *= torch.rand(N // 128, 1, K // 128, 1, generator=gen, device=device) * 8 + 0.1
-    q_w, s_w = quantize_weight_blocks(w.reshape(N, K))
-    worst = 0.0
-    for m in (1, 5, 8, 33):
-        a = torch.randn(m, K, generator=gen, device=device)
-        a *= torch.rand(m, 1, generator=gen, device=device) * 4 + 0.1
-        q_a, s_a = quantize_per_token_group(a.to(torch.bfloat16))
-        got = scaled_mm_blockwise(q_a, s_a, q_w, s_w, torch.float32)
-        want = block_scaled_gemm(q_a, s_a, q_w, s_w)
-        if got.shape != want.shape:
-            raise RuntimeError(f"shape {tuple(got.shape)} != {tuple(want.shape)}")
-        worst = max(worst, float((got - want).norm() / want.norm()))
-    return worst
+    errors = []
+    for K, N in SCALED_MM_PROBE_SHAPES:
+        w = torch.randn(N // 128, 128, K // 128, 128, generator=gen, device=device)
+        w *= torch.rand(N // 128, 1, K // 128, 1, generator=gen, device=device) * 8 + 0.1
+        q_w, s_w = quantize_weight_blocks(w.reshape(N, K))
+        for m in (1, 5, 8, 33):
+            a = torch.randn(m, K, generator=gen, device=device)
+            a *= torch.rand(m, 1, generator=gen, device=device) * 4 + 0.1
+            q_a, s_a = quantize_per_token_group(a.to(torch.bfloat16))
+            got = scaled_mm_blockwise(q_a, s_a, q_w, s_w, torch.float32)
+            want = block_scaled_gemm(q_a, s_a, q_w, s_w)
+            if got.shape != want.shape:
+                raise RuntimeError(f"shape {tuple(got.shape)} != {tuple(want.shape)}")
+            errors.append(float((got - want).norm() / want.norm()))
+    return float(torch.tensor(errors).max())  # NaN if any is (Python's max would drop it)
