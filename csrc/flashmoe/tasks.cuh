@@ -109,7 +109,15 @@ static __device__ __noinline__ void produce_tasks(const Params& p, const GemmSme
       trace(kTraceProducerReady);
       const int* list = expert_list(p, task.expert) + task.first_row;
       const auto row_at = [&](int r) { return recv + static_cast<int64_t>(ldcg(list + r) >> 4) * hidden_row_bytes; };
-      const auto scale_at = [&](int r) { return recv_scales + static_cast<int64_t>(ldcg(list + r) >> 4) * hidden_groups; };
+      // fp8: this thread's token row's scales. Written by the dispatch before this kernel's receive phase and
+      // never during the GEMM phase, so the L1-allocating 4-byte copy cannot read a stale line.
+      const float* scale_row = kFp8 && static_cast<int>(threadIdx.x) < task.rows
+                                   ? recv_scales + static_cast<int64_t>(ldcg(list + threadIdx.x) >> 4) * hidden_groups
+                                   : nullptr;
+      const auto load_scales = [&](uint32_t scales, int ks) {  // padding rows: scale 0
+        if (static_cast<int>(threadIdx.x) < task.tile_tokens)
+          cp_async_4(scales + threadIdx.x * 4, scale_row != nullptr ? scale_row + ks : p.topk_weights, scale_row != nullptr);
+      };
       // fp8: the gate and up rows of the task's 128 features are one weight block each (per K step).
       const float* gate_scale =
           kFp8 ? p.w13_scale + (static_cast<int64_t>(task.expert) * 2 * inter_groups + task.feature_tile) * hidden_groups
@@ -120,7 +128,7 @@ static __device__ __noinline__ void produce_tasks(const Params& p, const GemmSme
         // One 5-D box = the stage: 8 groups of (8 gate rows, the same 8 features' up rows).
         const int feature_group = (task.feature_tile * gemm0_task_features(kFp8) + pass * kGemm0TileFeatures) / 8;
         produce_tile<kFp8>(
-            p, g, st, task.tile_tokens, task.rows, k_steps, row_at, scale_at,
+            p, g, st, task.tile_tokens, task.rows, k_steps, row_at, load_scales,
             [&](char* stage, uint64_t* full, int ks, uint32_t weight_scales) {
               tma_load_5d(stage, &p.tmap_w13, full, ks * tile_k(kFp8), 0, 0, feature_group, task.expert, stream_policy);
               if constexpr (kFp8) {
@@ -141,7 +149,14 @@ static __device__ __noinline__ void produce_tasks(const Params& p, const GemmSme
       // w2 viewed as [E_l H][I]: one box = the tile's 128 output-feature rows.
       produce_tile<kFp8>(
           p, g, st, task.tile_tokens, task.rows, k_steps, [&](int r) { return act + (first + r) * inter_row_bytes; },
-          [&](int r) { return act_scales + (first + r) * inter_groups; },
+          [&](uint32_t scales, int ks) {
+            // Activation scales are written during this kernel by other SMs' GEMM0 tiles, and this SM may hold a
+            // line of them from an earlier K step or tile: 16-byte L2-only copies (cp.async.cg) of 4 rows each
+            // (act_scales is [group][row], each expert's rows 4-aligned) never read a stale L1 line.
+            const int q = threadIdx.x;
+            if (4 * q < task.tile_tokens)
+              cp_async_16(scales + q * 16, act_scales + ks * p.act_rows + first + 4 * q, 4 * q < task.rows);
+          },
           [&](char* stage, uint64_t* full, int ks, uint32_t weight_scales) {
             tma_load_2d(stage, &p.tmap_w2, full, ks * tile_k(kFp8), w2_row, stream_policy);
             if constexpr (kFp8) {  // one block for the tile's rows: both slots
@@ -199,9 +214,8 @@ __device__ __forceinline__ void store_activations_fp8(const Params& p, const Gem
   const int warps = split ? kConsumers * 4 : 4;
   const int warp = (split ? consumer * 4 : 0) + ((threadIdx.x >> 5) & 3);
   const int64_t first = table.row_offset[task.expert] + task.first_row;
-  const int groups = p.intermediate_size / kFp8Group;
   uint8_t* act = ws_ptr<uint8_t>(p, p.ws_off.act) + first * p.intermediate_size + task.feature_tile * kFp8Group;
-  float* act_scales = ws_ptr<float>(p, p.ws_off.act_scales) + first * groups + task.feature_tile;
+  float* act_scales = ws_ptr<float>(p, p.ws_off.act_scales) + task.feature_tile * p.act_rows + first;
   for (int r = warp; r < task.rows; r += warps) {
     const float4 v = *reinterpret_cast<const float4*>(staging + r * kFp8StagingStride + lane * 4);
     float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
@@ -210,7 +224,7 @@ __device__ __forceinline__ void store_activations_fp8(const Params& p, const Gem
     const Fp8Scale s = fp8_scale(amax);
     *reinterpret_cast<uint32_t*>(act + static_cast<int64_t>(r) * p.intermediate_size + lane * 4) =
         quantize4(v.x, v.y, v.z, v.w, s.inverse);
-    if (lane == 0) act_scales[static_cast<int64_t>(r) * groups] = s.scale;
+    if (lane == 0) act_scales[r] = s.scale;
   }
   if (split) consumers_sync();
   else consumer_sync(consumer);
