@@ -40,13 +40,13 @@ from kernel_check import SHAPES, l2_bytes, layer, routing, weights  # noqa: E402
 PHASES = {
     0: "start",
     1: "dispatch",
-    2: "dispatch_arrived",  # "barrier1" before the split arrival (older JSON)
+    2: "barrier1",
     3: "receive_wait",
     4: "receive",
     5: "barrier2",
     6: "gemm_start",
     7: "gemm",
-    8: "gemm_arrived",  # "barrier3" before the split arrival (older JSON)
+    8: "barrier3",
     9: "combine_wait",
     10: "end",
 }

@@ -98,26 +98,6 @@ __device__ void grid_barrier(const Params& p, int index, uint32_t epoch) {
   __syncthreads();
 }
 
-// Arrival without waiting: every block calls this once per call and phase, after fencing its own writes of
-// the phase; it returns true (to every thread) in the one block that arrived last, which then acts for the
-// rank -- announces the phase's data to the peers -- while the other blocks go on at once. The counter is
-// back at 0 for the next call when the last block returns (all blocks of this call have counted).
-__device__ bool last_block_to_arrive(const Params& p, ArrivalPhase phase) {
-  __shared__ bool last;
-  __syncthreads();  // every thread's fenced writes of the phase before the block's arrival
-  if (threadIdx.x == 0) {
-    uint32_t* counter = ws_ptr<uint32_t>(p, p.ws_off.phase_arrivals) + phase;
-    __threadfence();
-    last = atomicAdd(counter, 1u) == gridDim.x - 1;
-    if (last) {
-      *counter = 0;
-      __threadfence();  // acquire: the other blocks' writes, counted before ours
-    }
-  }
-  __syncthreads();
-  return last;
-}
-
 __device__ void load_peer_table(const Params& p, PeerTable& peers) {
   // Shared-memory table filled by the first `world` threads.
   if (threadIdx.x < p.world_size) {

@@ -250,8 +250,7 @@ __device__ __forceinline__ void with_tile_tokens(int n, F&& f) {
 }
 
 // Producer side of one tile of `n` tokens (a tile_tokens_for width), `rows` of them valid.
-// `row_at(r)` is the start of token row r (r < rows; padding rows are not loaded: their output columns hold
-// whatever the stage held before and no epilogue stores them), K step ks its bytes
+// `row_at(r)` is the start of token row r (r < rows; the rest are zero-filled), K step ks its bytes
 // [128 ks, 128 ks + 128); fp8: `load_scales(scales, ks)` (every producer thread) copies K step ks's token
 // scales, a float per tile row, to shared address `scales` by cp.async. `issue_weights(stage,
 // full_barrier, ks, weight_scale_dst)` issues the TMA loads of K step ks's 128 weight rows (kStageWeightBytes
@@ -292,7 +291,8 @@ __device__ __forceinline__ void produce_tile(const Params& p, const GemmSmem& g,
       for (int i = 0; i < N / 16; ++i) {
         const int r = (tid >> 3) + 16 * i;
         const uint32_t dst = tokens + r * 128 + ((chunk ^ (r & 7)) << 4);  // the 128-byte swizzle
-        if (row[i] != nullptr) cp_async_16(dst, row[i] + ks * kRowBytesK + chunk * 16, true);
+        const void* src = row[i] != nullptr ? row[i] + ks * kRowBytesK + chunk * 16 : static_cast<const void*>(p.x);
+        cp_async_16(dst, src, row[i] != nullptr);
       }
       if constexpr (kFp8) load_scales(scales, ks);
       mbar_arrive_on_cp_async(full);

@@ -38,9 +38,6 @@ struct SymLayout {
   int64_t total;
 };
 
-// Phases whose end the grid does not wait for: the last block to arrive acts for the rank (comm.cuh).
-enum ArrivalPhase : int { kArrivalDispatch = 0, kArrivalGemm = 1, kArrivalPhases = 2 };
-
 struct WorkspaceLayout {
   int64_t expert_rows, act, act_scales;
   int64_t rank_send_count;   // [W] u32   rows this rank sends to each destination (atomic slots)
@@ -51,7 +48,6 @@ struct WorkspaceLayout {
   int64_t barrier;           // u32       grid barrier word
   int64_t epoch;             // u32       calls completed by this process
   int64_t abort_flag;        // u32       set when any block gave up waiting
-  int64_t phase_arrivals;    // [2] u32   blocks done with dispatch / with the GEMM phase this call
   int64_t total;
 };
 
@@ -105,7 +101,6 @@ __host__ __device__ inline WorkspaceLayout workspace_layout(const Capacity& c) {
   l.barrier = take(4);
   l.epoch = take(4);
   l.abort_flag = take(4);
-  l.phase_arrivals = take(kArrivalPhases * 4);
   l.total = off;
   return l;
 }

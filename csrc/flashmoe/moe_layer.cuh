@@ -1,17 +1,12 @@
-// The whole MoE layer in one persistent kernel: every block runs every phase (all blocks are co-resident:
-// cooperative launch), and ranks meet only through epoch-tagged signals.
+// The whole MoE layer in one persistent kernel: every block runs every phase; phases are separated by grid
+// barriers (all blocks are co-resident: cooperative launch), and ranks meet only through epoch-tagged signals.
 //
-//   1 dispatch     send each token once per destination rank          (source side); the last block to
-//                  finish announces the rank's row counts to every destination
-//   2 receive      wait for all sources, build per-expert row lists   (destination side); grid barrier:
-//                  every block needs all lists' counts for the task table
+//   1 dispatch     send each token once per destination rank          (source side)
+//   2 receive      wait for all sources, build per-expert row lists   (destination side)
 //   3 GEMMs        one task queue: GEMM0 tiles SwiGLU(x W13^T), then GEMM1 tiles act W2^T whose rows go
 //                  straight into the owners' combine buffers (an expert's GEMM1 waits for its GEMM0 tiles
-//                  only); the last block to finish signals every source
+//                  only, not for a grid barrier); then signal every source
 //   4 combine      wait for every owner, reduce over top-k slots      (source side)
-//
-// Only phase 2 ends in a grid barrier: after 1 and 3 a block goes on as soon as its own share is done (the
-// peers' signals, not the other blocks, say when the next phase's data is there).
 //
 // In the GEMM phase warpgroup 0 produces (TMA, cp.async) and warpgroups 1-2 consume (wgmma); the ring of
 // stages is set up once per launch and carries over from tile to tile. kFp8: block-fp8 weights (e4m3 with
@@ -75,11 +70,13 @@ __device__ void moe_layer(const Params& p) {
   clock.stop();
   mark_phase_end(p, epoch, kRingDispatchEndNs);
   trace(kTraceDispatchDone);
+  grid_barrier(p, 1, epoch);
+  trace(kTraceBarrier1Done);
   int64_t remote_bytes = 0;
-  if (last_block_to_arrive(p, kArrivalDispatch) && threadIdx.x == 0) {
-    // Every block's rows are sent. Puts issued by any block of this PE are delivered (NVLink stores were
-    // fenced above). Only with proxied peers: quiet goes through NVSHMEM's proxy channel, which costs tens of
-    // microseconds and varies with the host thread's scheduling.
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    // Puts issued by any block of this PE are delivered (NVLink stores were fenced above). Only with proxied
+    // peers: quiet goes through NVSHMEM's proxy channel, which costs tens of microseconds and varies with the
+    // host thread's scheduling.
     if (sh.any_proxied) nvshmem_quiet();
     const uint32_t* send_count = ws_ptr<uint32_t>(p, p.ws_off.rank_send_count);
     for (int r = 0; r < p.world_size; ++r) {
@@ -89,7 +86,6 @@ __device__ void moe_layer(const Params& p) {
       if (r != p.rank) remote_bytes += static_cast<int64_t>(n) * (dispatch_row_bytes<kFp8>(p) + meta_stride(p.top_k) * 4);
     }
   }
-  trace(kTraceDispatchArrived);
 
   // 2. Receive.
   wait_dispatch(p, epoch, sh.recv);
@@ -113,26 +109,26 @@ __device__ void moe_layer(const Params& p) {
   __syncthreads();
   mark_phase_end(p, epoch, kRingGemm1EndNs);
   trace(kTraceGemmDone);
-  if (last_block_to_arrive(p, kArrivalGemm)) {
-    // Every GEMM1 row of this rank is stored (each block fenced its own above).
-    if (threadIdx.x == 0) {
-      if (sh.any_proxied) nvshmem_quiet();
-      for (int r = 0; r < p.world_size; ++r)
-        send_signal(p, sh.peers, sym_ptr<uint64_t>(p, p.sym_off.combine_signal) + p.rank, r,
-                    static_cast<uint64_t>(epoch) << 32);
-      // Counters for the next call: every block of this one is past its last use of them.
-      uint32_t* send_count = ws_ptr<uint32_t>(p, p.ws_off.rank_send_count);
-      for (int r = 0; r < p.world_size; ++r) send_count[r] = 0;
-      *ws_ptr<uint32_t>(p, p.ws_off.task_counter) = 0;
-      *ws_ptr<uint32_t>(p, p.ws_off.epoch) = epoch;
-    }
+  grid_barrier(p, 3, epoch);
+  trace(kTraceBarrier3Done);
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    if (sh.any_proxied) nvshmem_quiet();
+    for (int r = 0; r < p.world_size; ++r)
+      send_signal(p, sh.peers, sym_ptr<uint64_t>(p, p.sym_off.combine_signal) + p.rank, r,
+                  static_cast<uint64_t>(epoch) << 32);
+    // Counters for the next call: their last readers finished before barrier 3.
+    uint32_t* send_count = ws_ptr<uint32_t>(p, p.ws_off.rank_send_count);
+    for (int r = 0; r < p.world_size; ++r) send_count[r] = 0;
+    *ws_ptr<uint32_t>(p, p.ws_off.task_counter) = 0;
+    *ws_ptr<uint32_t>(p, p.ws_off.epoch) = epoch;
+  }
+  if (blockIdx.x == 0) {
     uint32_t* expert_count = ws_ptr<uint32_t>(p, p.ws_off.expert_count);
     for (int e = threadIdx.x; e < p.num_local; e += blockDim.x) expert_count[e] = 0;
     uint32_t* gemm0_done = ws_ptr<uint32_t>(p, p.ws_off.gemm0_done);
     const int pairs = p.num_local * (p.intermediate_size / kInterMultiple);
     for (int i = threadIdx.x; i < pairs; i += blockDim.x) gemm0_done[i] = 0;
   }
-  trace(kTraceGemmArrived);
 
   // 4. Combine.
   wait_combine(p, epoch);

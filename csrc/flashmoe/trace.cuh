@@ -19,13 +19,13 @@ enum TraceKind : uint32_t {
   // thread 0: phases (a: epoch)
   kTraceStart = 0,
   kTraceDispatchDone = 1,
-  kTraceDispatchArrived = 2,
+  kTraceBarrier1Done = 2,
   kTraceReceiveWaitDone = 3,
   kTraceReceiveDone = 4,
   kTraceBarrier2Done = 5,
   kTraceGemmStart = 6,
   kTraceGemmDone = 7,
-  kTraceGemmArrived = 8,
+  kTraceBarrier3Done = 8,
   kTraceCombineWaitDone = 9,
   kTraceEnd = 10,
   // producer (thread 0) per task: a = task index, b = gemm << 24 | expert, c = feature tile << 16 | N << 8 | rows
