@@ -195,7 +195,6 @@ void launch(const LaunchArgs& a, const Capacity& cap, cudaStream_t stream) {
   p.ws = static_cast<char*>(a.workspace);
   p.ws_off = workspace_layout(cap);
   p.expert_rows_stride = cap.world_size * cap.max_tokens_per_rank;
-  p.act_rows = max_act_rows(cap);
   p.status = static_cast<Status*>(a.status);
   p.metrics_ring = static_cast<int64_t*>(a.metrics_ring);
   p.metrics_totals = static_cast<int64_t*>(a.metrics_totals);

@@ -59,9 +59,9 @@ def layouts(cap) -> tuple[dict, dict]:
     sym = {"recv_tokens": _take(o, W * T * H * 2), "recv_scales": _take(o, W * T * (H // 128) * 4)}
     sym["recv_meta"] = _take(o, W * T * (1 + k) * 4)
     o = [0]
-    rows = (W * T * min(k, El) + 3 * El + 3) // 4 * 4  # max_act_rows: each expert's rows start 4-aligned
-    ws = {"expert_rows": _take(o, El * W * T * 4), "act": _take(o, rows * I * 2), "act_rows": rows}
-    ws["act_scales"] = _take(o, rows * (I // 128) * 4)
+    entries = W * T * min(k, El)
+    ws = {"expert_rows": _take(o, El * W * T * 4), "act": _take(o, entries * I * 2)}
+    ws["act_scales"] = _take(o, entries * (I // 128) * 4)
     return sym, ws
 
 
@@ -127,18 +127,16 @@ def main() -> int:
         "scales_differing": int((recv_s != sx).sum()),
     }
 
-    # Activations: each expert's entries in list order (row_offset = prefix of counts rounded up to 4;
-    # act_scales is group-major: [I/128][act_rows]).
+    # Activations: each expert's entries in list order (row_offset = prefix of counts).
     lists = (
         ws[ws_off["expert_rows"] :]
         .view(torch.int32)[: E * cap.world_size * cap.max_tokens_per_rank]
         .view(E, -1)
     )
     counts = [int((meta[:, 1:] == e).sum()) for e in range(E)]
-    act_rows = ws_off["act_rows"]
-    act_q = ws[ws_off["act"] :][: act_rows * I].view(-1, I)
+    act_q = ws[ws_off["act"] :][: sum(counts) * I].view(-1, I)
     act_s = (
-        ws[ws_off["act_scales"] :][: act_rows * (I // GROUP) * 4].view(torch.float32).view(I // GROUP, -1).t()
+        ws[ws_off["act_scales"] :][: sum(counts) * (I // GROUP) * 4].view(torch.float32).view(-1, I // GROUP)
     )
     step_hist = torch.zeros(
         4, dtype=torch.int64
@@ -174,9 +172,9 @@ def main() -> int:
         scale_ratio_max = max(scale_ratio_max, ratio)
         scales_differing += int((got_s != ref_s).sum())
         elements += n * I
-        offset += (n + 3) // 4 * 4
+        offset += n
     report["activations"] = {
-        "entries": sum(counts),
+        "entries": offset,
         "elements": elements,
         "code_steps_0_1_2_more": step_hist.tolist(),
         "scales_differing": scales_differing,

@@ -251,15 +251,14 @@ __device__ __forceinline__ void with_tile_tokens(int n, F&& f) {
 
 // Producer side of one tile of `n` tokens (a tile_tokens_for width), `rows` of them valid.
 // `row_at(r)` is the start of token row r (r < rows; the rest are zero-filled), K step ks its bytes
-// [128 ks, 128 ks + 128); fp8: `load_scales(scales, ks)` (every producer thread) copies K step ks's token
-// scales, a float per tile row, to shared address `scales` by cp.async. `issue_weights(stage,
+// [128 ks, 128 ks + 128); fp8: `scale_at(r)` is row r's scales, one per K step. `issue_weights(stage,
 // full_barrier, ks, weight_scale_dst)` issues the TMA loads of K step ks's 128 weight rows (kStageWeightBytes
 // in total; fp8: and cp.async of the weight block scales to weight_scale_dst; thread 0 only); `rows_ready(ks)`
 // returns once the token rows' K step ks may be read (all producer threads; the weights of that step are
 // already on their way). All 128 producer threads call it with the same arguments.
-template <bool kFp8, typename RowAt, typename LoadScales, typename IssueWeights, typename RowsReady>
+template <bool kFp8, typename RowAt, typename ScaleAt, typename IssueWeights, typename RowsReady>
 __device__ __forceinline__ void produce_tile(const Params& p, const GemmSmem& g, PipeState& st, int n, int rows,
-                                             int k_steps, RowAt row_at, LoadScales load_scales, IssueWeights issue_weights,
+                                             int k_steps, RowAt row_at, ScaleAt scale_at, IssueWeights issue_weights,
                                              RowsReady rows_ready) {
   with_tile_tokens<kFp8>(n, [&](auto tile) {
     constexpr int N = decltype(tile)::value;
@@ -271,6 +270,10 @@ __device__ __forceinline__ void produce_tile(const Params& p, const GemmSmem& g,
     for (int i = 0; i < N / 16; ++i) {
       const int r = (tid >> 3) + 16 * i;
       row[i] = r < rows ? row_at(r) : nullptr;
+    }
+    [[maybe_unused]] const float* scale_row = nullptr;  // fp8: row tid's scales
+    if constexpr (kFp8) {
+      if (tid < rows) scale_row = scale_at(tid);
     }
     uint64_t waited = 0;
     for (int ks = 0; ks < k_steps; ++ks) {
@@ -294,7 +297,9 @@ __device__ __forceinline__ void produce_tile(const Params& p, const GemmSmem& g,
         const void* src = row[i] != nullptr ? row[i] + ks * kRowBytesK + chunk * 16 : static_cast<const void*>(p.x);
         cp_async_16(dst, src, row[i] != nullptr);
       }
-      if constexpr (kFp8) load_scales(scales, ks);
+      if constexpr (kFp8) {  // padding rows get scale 0 (their zero rows contribute nothing either way)
+        if (tid < N) cp_async_4(scales + tid * 4, scale_row != nullptr ? scale_row + ks : p.topk_weights, scale_row != nullptr);
+      }
       mbar_arrive_on_cp_async(full);
       st.advance();
       if (ks == 0) trace(kTraceProducerFirstIssue);

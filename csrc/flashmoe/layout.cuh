@@ -12,10 +12,8 @@
 //              send_meta     W*T*(1+k)*4      put path only
 //              combine_stage B*128*128*2      put path only: one GEMM1 output tile per block
 //   workspace  expert_rows   E_l*W*T*4        per local expert: received (row, j) entries
-//              act           R*I*2        SwiGLU activations, grouped by expert (fp8 layers: e4m3); R = act rows:
-//                                         W*T*min(k,E_l) + 3*E_l (each expert's rows start 4-aligned)
-//              act_scales    (I/128)*R*4  fp8 layers: their per-128-group scales, group-major ([group][row]),
-//                                         so a GEMM1 K step's scales of 4 rows are one 16-byte load
+//              act           W*T*min(k,E_l)*I*2   SwiGLU activations, grouped by expert (fp8 layers: e4m3)
+//              act_scales    W*T*min(k,E_l)*(I/128)*4  fp8 layers: their per-128-group scales
 //              counters      small (per rank, per local expert, per call)
 #pragma once
 
@@ -79,20 +77,14 @@ __host__ __device__ inline int64_t max_received_entries(const Capacity& c) {
   return c.world_size * c.max_tokens_per_rank * per_row;
 }
 
-// Rows of the activation buffers: every received (row, expert) entry, each expert's rows padded to a multiple
-// of 4 (scheduler.cuh's row_offset), so 4 consecutive rows' scales of a K step are 16 aligned bytes.
-__host__ __device__ inline int64_t max_act_rows(const Capacity& c) {
-  return (max_received_entries(c) + 3 * c.max_local + 3) / 4 * 4;
-}
-
 __host__ __device__ inline WorkspaceLayout workspace_layout(const Capacity& c) {
   WorkspaceLayout l{};
   int64_t off = 0;
   auto take = [&](int64_t bytes) { int64_t o = off; off += align_up(bytes); return o; };
   l.expert_rows = take(c.max_local * c.world_size * c.max_tokens_per_rank * 4);
   // Expert e's rows start at the prefix of the counts before it; tiles read and write only valid rows.
-  l.act = take(max_act_rows(c) * c.intermediate_size * 2);
-  l.act_scales = take(max_act_rows(c) * (c.intermediate_size / kHiddenMultiple) * 4);
+  l.act = take(max_received_entries(c) * c.intermediate_size * 2);
+  l.act_scales = take(max_received_entries(c) * (c.intermediate_size / kHiddenMultiple) * 4);
   l.rank_send_count = take(c.world_size * 4);
   l.expert_count = take(c.max_local * 4);
   l.gemm0_done = take(c.max_local * (c.intermediate_size / kInterMultiple) * 4);

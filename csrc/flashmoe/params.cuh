@@ -43,7 +43,6 @@ struct Params {
   char* ws;
   WorkspaceLayout ws_off;
   int64_t expert_rows_stride;  // entries per local expert list (W * max_tokens)
-  int64_t act_rows;            // rows of the activation buffers (max_act_rows): act_scales' group stride
 
   // TMA descriptors of this call's weights (built on the host per launch, see kernel.cu).
   CUtensorMap tmap_w13;  // w13 as [E_l][I/8][2][8][H]: one box = a stage's 128 gate/up rows x 128 bytes of K

@@ -25,8 +25,7 @@ namespace flashmoe {
 
 struct ExpertTable {
   int count[kMaxLocalExperts];             // rows received per local expert
-  int row_offset[kMaxLocalExperts + 1];    // first activation row of each expert (prefix of counts rounded
-                                           // up to 4: fp8 GEMM1 loads 4 rows' scales at once, tasks.cuh)
+  int row_offset[kMaxLocalExperts + 1];    // first activation row of each expert (prefix of counts)
   int tile_offset[kMaxLocalExperts + 1];   // first token tile of each expert (prefix of its tile counts)
 };
 
@@ -48,9 +47,8 @@ __device__ void build_expert_table(const Params& p, ExpertTable& t) {
     for (int base = 0; base < p.num_local; base += 32) {
       const int e = base + lane;
       const int count = e < p.num_local ? t.count[e] : 0;
-      const int rows = (count + 3) & ~3;
       const int tiles = token_tiles<kFp8>(count);
-      int rows_incl = rows, tiles_incl = tiles;
+      int rows_incl = count, tiles_incl = tiles;
 #pragma unroll
       for (int d = 1; d < 32; d <<= 1) {
         const int r = __shfl_up_sync(0xffffffffu, rows_incl, d);
@@ -61,7 +59,7 @@ __device__ void build_expert_table(const Params& p, ExpertTable& t) {
         }
       }
       if (e < p.num_local) {
-        t.row_offset[e] = rows_before + rows_incl - rows;
+        t.row_offset[e] = rows_before + rows_incl - count;
         t.tile_offset[e] = tiles_before + tiles_incl - tiles;
       }
       rows_before += __shfl_sync(0xffffffffu, rows_incl, 31);

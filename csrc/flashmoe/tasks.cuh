@@ -93,9 +93,11 @@ static __device__ __noinline__ void produce_tasks(const Params& p, const GemmSme
   const int64_t hidden_row_bytes = static_cast<int64_t>(p.hidden_size) * kElementBytes;
   const int64_t inter_row_bytes = static_cast<int64_t>(p.intermediate_size) * kElementBytes;
   const int hidden_groups = p.hidden_size / kFp8Group, inter_groups = p.intermediate_size / kFp8Group;
-  // Weights are read once per call: evict-first keeps them from displacing the token rows and activations
-  // that every feature tile reads again (measured: 8-13% of decode time, benchmarks/kernel-notes.md).
-  const uint64_t stream_policy = l2_policy_evict_first(), keep_policy = l2_policy_evict_normal();
+  // bf16 weights are read once per call: evict-first keeps them from displacing the token rows and activations
+  // that every feature tile reads again (8-13% of decode time, benchmarks/kernel-notes.md). fp8 layers load
+  // without the hint: with it the fp8 smoke at world 2 lost bitwise repeatability and the EP2 fp8 layer
+  // benchmark faulted (2026-11-22, not yet explained; kernel-notes.md).
+  const uint64_t stream_policy = l2_policy_evict_first();
   PipeState st;
   TaskQueue queue;
   int index;
@@ -109,15 +111,7 @@ static __device__ __noinline__ void produce_tasks(const Params& p, const GemmSme
       trace(kTraceProducerReady);
       const int* list = expert_list(p, task.expert) + task.first_row;
       const auto row_at = [&](int r) { return recv + static_cast<int64_t>(ldcg(list + r) >> 4) * hidden_row_bytes; };
-      // fp8: this thread's token row's scales. Written by the dispatch before this kernel's receive phase and
-      // never during the GEMM phase, so the L1-allocating 4-byte copy cannot read a stale line.
-      const float* scale_row = kFp8 && static_cast<int>(threadIdx.x) < task.rows
-                                   ? recv_scales + static_cast<int64_t>(ldcg(list + threadIdx.x) >> 4) * hidden_groups
-                                   : nullptr;
-      const auto load_scales = [&](uint32_t scales, int ks) {  // padding rows: scale 0
-        if (static_cast<int>(threadIdx.x) < task.tile_tokens)
-          cp_async_4(scales + threadIdx.x * 4, scale_row != nullptr ? scale_row + ks : p.topk_weights, scale_row != nullptr);
-      };
+      const auto scale_at = [&](int r) { return recv_scales + static_cast<int64_t>(ldcg(list + r) >> 4) * hidden_groups; };
       // fp8: the gate and up rows of the task's 128 features are one weight block each (per K step).
       const float* gate_scale =
           kFp8 ? p.w13_scale + (static_cast<int64_t>(task.expert) * 2 * inter_groups + task.feature_tile) * hidden_groups
@@ -128,9 +122,10 @@ static __device__ __noinline__ void produce_tasks(const Params& p, const GemmSme
         // One 5-D box = the stage: 8 groups of (8 gate rows, the same 8 features' up rows).
         const int feature_group = (task.feature_tile * gemm0_task_features(kFp8) + pass * kGemm0TileFeatures) / 8;
         produce_tile<kFp8>(
-            p, g, st, task.tile_tokens, task.rows, k_steps, row_at, load_scales,
+            p, g, st, task.tile_tokens, task.rows, k_steps, row_at, scale_at,
             [&](char* stage, uint64_t* full, int ks, uint32_t weight_scales) {
-              tma_load_5d(stage, &p.tmap_w13, full, ks * tile_k(kFp8), 0, 0, feature_group, task.expert, stream_policy);
+              if constexpr (kFp8) tma_load_5d(stage, &p.tmap_w13, full, ks * tile_k(kFp8), 0, 0, feature_group, task.expert);
+              else tma_load_5d(stage, &p.tmap_w13, full, ks * tile_k(kFp8), 0, 0, feature_group, task.expert, stream_policy);
               if constexpr (kFp8) {
                 cp_async_4(weight_scales, gate_scale + ks, true);
                 cp_async_4(weight_scales + 4, up_scale + ks, true);
@@ -149,16 +144,10 @@ static __device__ __noinline__ void produce_tasks(const Params& p, const GemmSme
       // w2 viewed as [E_l H][I]: one box = the tile's 128 output-feature rows.
       produce_tile<kFp8>(
           p, g, st, task.tile_tokens, task.rows, k_steps, [&](int r) { return act + (first + r) * inter_row_bytes; },
-          [&](uint32_t scales, int ks) {
-            // Activation scales are written during this kernel by other SMs' GEMM0 tiles, and this SM may hold a
-            // line of them from an earlier K step or tile: 16-byte L2-only copies (cp.async.cg) of 4 rows each
-            // (act_scales is [group][row], each expert's rows 4-aligned) never read a stale L1 line.
-            const int q = threadIdx.x;
-            if (4 * q < task.tile_tokens)
-              cp_async_16(scales + q * 16, act_scales + ks * p.act_rows + first + 4 * q, 4 * q < task.rows);
-          },
+          [&](int r) { return act_scales + (first + r) * inter_groups; },
           [&](char* stage, uint64_t* full, int ks, uint32_t weight_scales) {
-            tma_load_2d(stage, &p.tmap_w2, full, ks * tile_k(kFp8), w2_row, stream_policy);
+            if constexpr (kFp8) tma_load_2d(stage, &p.tmap_w2, full, ks * tile_k(kFp8), w2_row);
+            else tma_load_2d(stage, &p.tmap_w2, full, ks * tile_k(kFp8), w2_row, stream_policy);
             if constexpr (kFp8) {  // one block for the tile's rows: both slots
               cp_async_4(weight_scales, weight_scale + ks, true);
               cp_async_4(weight_scales + 4, weight_scale + ks, true);
@@ -169,7 +158,7 @@ static __device__ __noinline__ void produce_tasks(const Params& p, const GemmSme
             // Not ready (small T: GEMM0 still streaming): pull the tile's remaining weights into L2 meanwhile.
             readiness.wait(p, g, task.expert, ks, [&] {
               if (threadIdx.x == 0 && ks == 0)
-                for (int s = 1; s < k_steps; ++s) tma_prefetch_l2_2d(&p.tmap_w2, s * tile_k(kFp8), w2_row, keep_policy);
+                for (int s = 1; s < k_steps; ++s) tma_prefetch_l2_2d(&p.tmap_w2, s * tile_k(kFp8), w2_row);
             });
             if (ks == 0) trace(kTraceProducerReady);
           });
@@ -214,8 +203,9 @@ __device__ __forceinline__ void store_activations_fp8(const Params& p, const Gem
   const int warps = split ? kConsumers * 4 : 4;
   const int warp = (split ? consumer * 4 : 0) + ((threadIdx.x >> 5) & 3);
   const int64_t first = table.row_offset[task.expert] + task.first_row;
+  const int groups = p.intermediate_size / kFp8Group;
   uint8_t* act = ws_ptr<uint8_t>(p, p.ws_off.act) + first * p.intermediate_size + task.feature_tile * kFp8Group;
-  float* act_scales = ws_ptr<float>(p, p.ws_off.act_scales) + task.feature_tile * p.act_rows + first;
+  float* act_scales = ws_ptr<float>(p, p.ws_off.act_scales) + first * groups + task.feature_tile;
   for (int r = warp; r < task.rows; r += warps) {
     const float4 v = *reinterpret_cast<const float4*>(staging + r * kFp8StagingStride + lane * 4);
     float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
@@ -224,7 +214,7 @@ __device__ __forceinline__ void store_activations_fp8(const Params& p, const Gem
     const Fp8Scale s = fp8_scale(amax);
     *reinterpret_cast<uint32_t*>(act + static_cast<int64_t>(r) * p.intermediate_size + lane * 4) =
         quantize4(v.x, v.y, v.z, v.w, s.inverse);
-    if (lane == 0) act_scales[r] = s.scale;
+    if (lane == 0) act_scales[static_cast<int64_t>(r) * groups] = s.scale;
   }
   if (split) consumers_sync();
   else consumer_sync(consumer);
