@@ -1,8 +1,10 @@
-"""vLLM 0.26.0 serving the Qwen3-30B-A3B architecture on one 4-GPU host: flashmoe against vLLM's own
-MoE paths, greedy token ids and throughput, CUDA graphs on.
+"""vLLM 0.26.0 serving the Qwen3-30B-A3B or the DeepSeek-V2-Lite architecture on one 4-GPU host:
+flashmoe against vLLM's own MoE paths, greedy token ids and throughput, CUDA graphs on.
 
     python benchmarks/vllm_serve_gpu.py --bundle /tmp/wh --out $OUT \\
         --runs flashmoe_dp4_ep,vllm_dp4_ep,flashmoe_tp4_ep,vllm_tp4
+    python benchmarks/vllm_serve_gpu.py --model deepseek-v2-lite --bundle /tmp/wh --out $OUT \\
+        --runs flashmoe_dp4_ep,vllm_dp4_ep,flashmoe_tp4_ep,vllm_tp4_ep
 
 Runs (``--runs``, in order; each starts ``vllm.entrypoints.openai.api_server`` on all GPUs):
 
@@ -12,8 +14,11 @@ Runs (``--runs``, in order; each starts ``vllm.entrypoints.openai.api_server`` o
     vllm_tp4_ep       TP4 + EP4, vLLM's default MoE path
     vllm_tp4          TP4 without EP (experts tensor-parallel), vLLM's default MoE path
 
-Every run loads the same seeded random checkpoint (real shapes, N(0, 0.02) weights: see
-``flashmoe.demo.tiny_model.make_qwen3_30b_a3b_shaped``) with a word-level tokenizer over the model's
+Models (``--model``, :data:`MODELS`): ``qwen3-30b-a3b`` (``flashmoe.demo.tiny_model.make_qwen3_30b_a3b_shaped``,
+every layer sparse) and ``deepseek-v2-lite`` (``flashmoe.demo.deepseek_model.make_deepseek_v2_lite_shaped``:
+MLA, 2 shared + 64 routed experts top-6, one dense layer first; attention through vLLM's ``TRITON_MLA``
+unless ``--attention-backend`` says otherwise). Every run loads the same seeded random checkpoint (real
+shapes, N(0, 0.02) weights) with a word-level tokenizer over the model's
 vocabulary (:func:`write_word_tokenizer`: one whitespace-separated word per token id, so a prompt of n
 random words is exactly n tokens), so greedy token ids are comparable across runs and layouts. Each
 run: greedy ids for ``--check-prompts`` random-id prompts, then, at each ``--concurrency`` c, vLLM's
@@ -38,12 +43,36 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "plugin"))
 from flashmoe.demo import VLLMServer  # noqa: E402
+from flashmoe.demo.deepseek_model import make_deepseek_v2_lite_shaped  # noqa: E402
 from flashmoe.demo.tiny_model import make_qwen3_30b_a3b_shaped  # noqa: E402
+
+
+class ModelChoice(NamedTuple):
+    make: Callable[..., Path]  # (path, num_layers, seed=, device=) -> the checkpoint directory
+    num_layers: int
+    vocab: int
+    attention_backend: str  # FA2 is not in the GPU machines' bundle: Triton kernels
+    description: str
+
+
+MODELS = {
+    "qwen3-30b-a3b": ModelChoice(
+        make_qwen3_30b_a3b_shaped, 48, 151936, "TRITON_ATTN",
+        "Qwen3-30B-A3B architecture, random N(0, 0.02) weights (flashmoe.demo.tiny_model), bf16",
+    ),
+    "deepseek-v2-lite": ModelChoice(
+        make_deepseek_v2_lite_shaped, 27, 102400, "TRITON_MLA",
+        "DeepSeek-V2-Lite architecture (MLA, 2 shared + 64 routed experts, top-6), random N(0, 0.02) weights "
+        "(flashmoe.demo.deepseek_model), bf16",
+    ),
+}  # fmt: skip
 
 RUNS = {  # name: (parallel arguments, --moe-backend or None for vLLM's own)
     "flashmoe_dp4_ep": (["--data-parallel-size", "{n}", "--enable-expert-parallel"], "flashmoe"),
@@ -291,7 +320,7 @@ def run_one(name: str, args, model: Path) -> dict:
         "--compilation-config",
         json.dumps(compilation),
         "--attention-backend",
-        "TRITON_ATTN",
+        args.attention_backend,
     ]
     env = dict(ENV)
     if backend:
@@ -341,8 +370,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bundle", type=Path, default=Path("/tmp/wh"))
     ap.add_argument("--site", type=Path, default=Path("/tmp/site"))
-    ap.add_argument("--model-dir", type=Path, default=Path("/tmp/qwen3-30b-a3b-random"))
-    ap.add_argument("--num-layers", type=int, default=48)
+    ap.add_argument("--model", choices=list(MODELS), default="qwen3-30b-a3b")
+    ap.add_argument("--model-dir", type=Path, default=None, help="default /tmp/<model>-random")
+    ap.add_argument("--num-layers", type=int, default=None, help="default: the model's")
+    ap.add_argument("--attention-backend", default=None, help="default: the model's (MODELS)")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--runs", default="flashmoe_dp4_ep,vllm_dp4_ep,flashmoe_tp4_ep,vllm_tp4")
     ap.add_argument("--gpus", type=int, default=4)
@@ -358,7 +389,7 @@ def main() -> int:
     ap.add_argument("--check-prompts", type=int, default=8)
     ap.add_argument("--check-len", type=int, default=64)
     ap.add_argument("--check-tokens", type=int, default=32)
-    ap.add_argument("--vocab", type=int, default=151936)
+    ap.add_argument("--vocab", type=int, default=None, help="default: the model's")
     ap.add_argument("--startup-timeout", type=float, default=420.0)
     ap.add_argument(
         "--deadline-s", type=float, default=None, help="skip a run if less than --run-estimate-s is left"
@@ -371,6 +402,11 @@ def main() -> int:
     )
     ap.add_argument("--commit", default=None)
     args = ap.parse_args()
+    choice = MODELS[args.model]
+    args.model_dir = args.model_dir or Path(f"/tmp/{args.model}-random")
+    args.num_layers = args.num_layers or choice.num_layers
+    args.vocab = args.vocab or choice.vocab
+    args.attention_backend = args.attention_backend or choice.attention_backend
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)
     t_start = time.monotonic()
@@ -379,7 +415,7 @@ def main() -> int:
     import vllm
 
     t0 = time.monotonic()
-    make_qwen3_30b_a3b_shaped(args.model_dir, args.num_layers, seed=0, device="cuda")
+    choice.make(args.model_dir, args.num_layers, seed=0, device="cuda")
     if not (args.model_dir / "tokenizer.json").is_file():
         write_word_tokenizer(args.model_dir, args.vocab)
     print(
@@ -394,7 +430,8 @@ def main() -> int:
         "vllm": vllm.__version__,
         "torch": torch.__version__,
         "argv": sys.argv,
-        "model": "Qwen3-30B-A3B architecture, random N(0, 0.02) weights (flashmoe.demo.tiny_model), bf16",
+        "model": choice.description,
+        "attention_backend": args.attention_backend,
         "num_layers": args.num_layers,
         "input_len": args.input_len,
         "output_len": args.output_len,

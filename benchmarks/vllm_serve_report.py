@@ -203,7 +203,8 @@ def main(argv=None) -> int:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(doc, indent=1))
     png = args.json.with_suffix(".png")
-    plot(runs, png, f"{meta.get('machine')} · vLLM {meta.get('vllm')} · Qwen3-30B-A3B architecture")
+    model = str(meta.get("model", "Qwen3-30B-A3B architecture")).split(",")[0].split(" (")[0]
+    plot(runs, png, f"{meta.get('machine')} · vLLM {meta.get('vllm')} · {model}")
     print(json.dumps(doc["comparison"], indent=1))
     if args.readme:
         text = args.readme.read_text()

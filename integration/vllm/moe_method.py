@@ -198,7 +198,12 @@ def build_flashmoe(layer, moe, mode: str, weights: WeightFormat = UNQUANTIZED) -
         weight_dtype=weights.weight_dtype,
     )
     return FlashMoE(
-        spec, placement, ep.device_group, cpu_group=ep.cpu_group, layer_name=layer.layer_name, device=w13.device
+        spec,
+        placement,
+        ep.device_group,
+        cpu_group=ep.cpu_group,
+        layer_name=layer.layer_name,
+        device=w13.device,
     )
 
 
@@ -237,7 +242,6 @@ def _log_layer(moe: FlashMoE) -> None:
         s.max_tokens_per_rank,
     )
     owned = moe.placement.local_experts(moe.rank).tolist()
-    buffer_bytes = getattr(moe, "buffer_bytes", None)
     _log_once(
         key,
         "flashmoe: MoE layers E=%d top_k=%d H=%d I=%d %s -> backend %s (%s); EP rank %d/%d owns %d experts %s; "
@@ -254,9 +258,19 @@ def _log_layer(moe: FlashMoE) -> None:
         len(owned),
         _ranges(owned),
         s.max_tokens_per_rank,
-        f"; symmetric buffers {buffer_bytes} bytes (shared by all layers)"
-        if buffer_bytes is not None
-        else "",
+        _buffers_note(getattr(moe, "buffer_bytes", None)),
+    )
+
+
+def _buffers_note(buffer_bytes: int | None) -> str:
+    """The log line's account of the megakernel's process-wide buffers ('' on the reference backend).
+    They are allocated while vLLM loads the model, before it profiles memory, so vLLM's memory report
+    counts them (the NVSHMEM heap as non-torch memory) and its KV-cache budget excludes them."""
+    if buffer_bytes is None:
+        return ""
+    return (
+        f"; symmetric buffers {buffer_bytes} bytes ({buffer_bytes / 2**30:.2f} GiB, NVSHMEM heap + workspace, "
+        "shared by all layers), allocated before vLLM profiles memory: its KV-cache budget excludes them"
     )
 
 

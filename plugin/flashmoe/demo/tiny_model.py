@@ -22,6 +22,7 @@ Needs ``transformers`` and ``tokenizers`` (both come with vLLM and SGLang).
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 from pathlib import Path
@@ -115,6 +116,58 @@ QWEN3_30B_A3B = dict(
 )
 
 
+class SeededWeights:
+    """Random bf16 checkpoint tensors for the real-shaped GPU models: N(0, ``std``), each drawn from a
+    generator seeded by ``seed`` and the name it is asked for, so a tensor's values do not depend on
+    which other tensors exist or the order they are made in (every parallel layout loads the same
+    model), and norms are ones."""
+
+    def __init__(self, seed: int, std: float, device: str):
+        self.seed, self.std, self.device = seed, std, device
+
+    def normal(self, name: str, *shape: int):
+        import zlib
+
+        import torch
+
+        g = torch.Generator(device=self.device).manual_seed(self.seed * 1_000_003 + zlib.crc32(name.encode()))
+        t = torch.randn(*shape, generator=g, device=self.device, dtype=torch.float32) * self.std
+        return t.to(torch.bfloat16).cpu()
+
+    @staticmethod
+    def ones(n: int):
+        import torch
+
+        return torch.ones(n, dtype=torch.bfloat16)
+
+
+def write_sharded_checkpoint(path: Path, shards: list, config: dict, marker: dict) -> Path:
+    """Write ``shards`` (callables returning one shard's ``{name: tensor}``, made one at a time so a
+    large model never sits in memory whole) as safetensors with their index, then ``config.json``,
+    then ``flashmoe_random_model.json`` = ``marker``: a directory whose marker matches is complete and
+    is returned as is."""
+    from safetensors.torch import save_file
+
+    marker_file = path / "flashmoe_random_model.json"
+    if marker_file.exists() and json.loads(marker_file.read_text()) == marker:
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map = {}
+    for i, make in enumerate(shards):
+        fname = names[i]
+        tensors = make()
+        save_file(tensors, str(path / fname), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, fname))
+    total = sum((path / f).stat().st_size for f in names)
+    (path / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1)
+    )
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    marker_file.write_text(json.dumps(marker))
+    return path
+
+
 def make_qwen3_30b_a3b_shaped(
     path: str | Path, num_layers: int = 48, seed: int = 0, device: str = "cuda"
 ) -> Path:
@@ -122,71 +175,41 @@ def make_qwen3_30b_a3b_shaped(
     the original per-expert safetensors layout (``mlp.experts.{e}.gate_proj.weight``, ...) one shard
     per layer, plus ``config.json``; serve it with ``--skip-tokenizer-init`` and token-id prompts.
 
-    Linear weights are N(0, ``initializer_range``), norms 1: unlike vLLM's ``--load-format dummy``
-    (uniform +-1e-3 everywhere, which leaves the MoE output below bf16 resolution of the residual
-    stream) every layer moves the logits, so comparing greedy tokens across MoE backends means
-    something. Each tensor's values depend only on ``seed`` and its name, so every parallel layout
-    loads the same model. Idempotent, like :func:`make_tiny_qwen3_moe`."""
-    import zlib
-
-    import torch
-    from safetensors.torch import save_file
-
-    path = Path(path)
-    marker = path / "flashmoe_random_model.json"
-    want = {
-        "seed": seed,
-        "architecture": "Qwen3MoeForCausalLM",
-        "num_layers": num_layers,
-        "shapes": "qwen3-30b-a3b",
-    }
-    if marker.exists() and json.loads(marker.read_text()) == want:
-        return path
-    path.mkdir(parents=True, exist_ok=True)
+    Linear weights are N(0, ``initializer_range``), norms 1 (:class:`SeededWeights`): unlike vLLM's
+    ``--load-format dummy`` (uniform +-1e-3 everywhere, which leaves the MoE output below bf16
+    resolution of the residual stream) every layer moves the logits, so comparing greedy tokens across
+    MoE backends means something. Idempotent, like :func:`make_tiny_qwen3_moe`."""
     c = {**QWEN3_30B_A3B, "num_hidden_layers": num_layers}
     H, I, V, E = c["hidden_size"], c["moe_intermediate_size"], c["vocab_size"], c["num_experts"]
     q_out, kv_out = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
+    w = SeededWeights(seed, c["initializer_range"], device)
 
-    def randn(name: str, *shape: int) -> torch.Tensor:
-        g = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-        t = torch.randn(*shape, generator=g, device=device, dtype=torch.float32) * c["initializer_range"]
-        return t.to(torch.bfloat16).cpu()
+    def layer(i: int) -> dict:
+        p = f"model.layers.{i}."
+        tensors = {
+            p + "input_layernorm.weight": w.ones(H),
+            p + "post_attention_layernorm.weight": w.ones(H),
+            p + "self_attn.q_norm.weight": w.ones(c["head_dim"]),
+            p + "self_attn.k_norm.weight": w.ones(c["head_dim"]),
+            p + "mlp.gate.weight": w.normal(p + "mlp.gate.weight", E, H),
+        }
+        for proj, rows in (("q_proj", q_out), ("k_proj", kv_out), ("v_proj", kv_out)):
+            tensors[p + f"self_attn.{proj}.weight"] = w.normal(p + proj, rows, H)
+        tensors[p + "self_attn.o_proj.weight"] = w.normal(p + "o_proj", H, q_out)
+        for e in range(E):
+            q = f"{p}mlp.experts.{e}."
+            tensors[q + "gate_proj.weight"] = w.normal(q + "gate_proj", I, H)
+            tensors[q + "up_proj.weight"] = w.normal(q + "up_proj", I, H)
+            tensors[q + "down_proj.weight"] = w.normal(q + "down_proj", H, I)
+        return tensors
 
-    def ones(n: int) -> torch.Tensor:
-        return torch.ones(n, dtype=torch.bfloat16)
+    def head() -> dict:  # the last shard: embeddings, final norm, LM head
+        return {
+            "model.embed_tokens.weight": w.normal("model.embed_tokens.weight", V, H),
+            "model.norm.weight": w.ones(H),
+            "lm_head.weight": w.normal("lm_head.weight", V, H),
+        }
 
-    shards = [(f"model-{i + 1:05d}-of-{num_layers + 1:05d}.safetensors", i) for i in range(num_layers + 1)]
-    weight_map = {}
-    for fname, i in shards:
-        if i == num_layers:  # the last shard: embeddings, final norm, LM head
-            tensors = {
-                "model.embed_tokens.weight": randn("model.embed_tokens.weight", V, H),
-                "model.norm.weight": ones(H),
-                "lm_head.weight": randn("lm_head.weight", V, H),
-            }
-        else:
-            p = f"model.layers.{i}."
-            tensors = {
-                p + "input_layernorm.weight": ones(H),
-                p + "post_attention_layernorm.weight": ones(H),
-                p + "self_attn.q_norm.weight": ones(c["head_dim"]),
-                p + "self_attn.k_norm.weight": ones(c["head_dim"]),
-                p + "mlp.gate.weight": randn(p + "mlp.gate.weight", E, H),
-            }
-            for proj, rows in (("q_proj", q_out), ("k_proj", kv_out), ("v_proj", kv_out)):
-                tensors[p + f"self_attn.{proj}.weight"] = randn(p + proj, rows, H)
-            tensors[p + "self_attn.o_proj.weight"] = randn(p + "o_proj", H, q_out)
-            for e in range(E):
-                q = f"{p}mlp.experts.{e}."
-                tensors[q + "gate_proj.weight"] = randn(q + "gate_proj", I, H)
-                tensors[q + "up_proj.weight"] = randn(q + "up_proj", I, H)
-                tensors[q + "down_proj.weight"] = randn(q + "down_proj", H, I)
-        save_file(tensors, str(path / fname), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(tensors, fname))
-    total = sum((path / f).stat().st_size for f, _ in shards)
-    (path / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1)
-    )
     config = {
         "architectures": ["Qwen3MoeForCausalLM"],
         "model_type": "qwen3_moe",
@@ -208,9 +231,14 @@ def make_qwen3_30b_a3b_shaped(
         "eos_token_id": 2,
         "torch_dtype": "bfloat16",
     }
-    (path / "config.json").write_text(json.dumps(config, indent=1))
-    marker.write_text(json.dumps(want))
-    return path
+    marker = {
+        "seed": seed,
+        "architecture": "Qwen3MoeForCausalLM",
+        "num_layers": num_layers,
+        "shapes": "qwen3-30b-a3b",
+    }
+    shards = [functools.partial(layer, i) for i in range(num_layers)] + [head]
+    return write_sharded_checkpoint(Path(path), shards, config, marker)
 
 
 def make_tiny_qwen3_moe(path: str | Path, seed: int = 0) -> Path:
@@ -325,7 +353,9 @@ def fp8_prompt_logprobs(path: str | Path, prompts: list[list[int]]) -> list[list
         p = f"model.layers.{i}.mlp.experts."
 
         def stack(*names, p=p):
-            return torch.stack([torch.cat([tensors[f"{p}{e}.{n}"] for n in names]) for e in range(NUM_EXPERTS)])
+            return torch.stack(
+                [torch.cat([tensors[f"{p}{e}.{n}"] for n in names]) for e in range(NUM_EXPERTS)]
+            )
 
         layer.mlp.experts = ReferenceFp8Experts(
             stack("gate_proj.weight", "up_proj.weight"),  # w13: gate rows, then up rows
@@ -362,20 +392,31 @@ def greedy_reference(path: str | Path, prompts: list[str], max_tokens: int, dtyp
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(prog="python -m flashmoe.demo.tiny_model", description=__doc__.splitlines()[0])
+def writer_cli(module: str, doc: str, shaped: str, num_layers: int, make_shaped, make_tiny) -> None:
+    """``python -m <module> PATH [--<shaped> [--num-layers N] [--device D]] [--seed S]``: write the tiny
+    model, or with ``--<shaped>`` the real-shaped one, and print its directory."""
+    ap = argparse.ArgumentParser(prog=f"python -m {module}", description=doc.splitlines()[0])
     ap.add_argument("path", help="output directory")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument(
-        "--qwen3-30b-a3b", action="store_true", help="Qwen3-30B-A3B shapes instead of the tiny model"
-    )
-    ap.add_argument("--num-layers", type=int, default=48, help="layers of the --qwen3-30b-a3b checkpoint")
-    ap.add_argument("--device", default="cuda", help="where --qwen3-30b-a3b weights are initialised")
+    ap.add_argument(f"--{shaped}", action="store_true", help=f"{shaped} shapes instead of the tiny model")
+    ap.add_argument("--num-layers", type=int, default=num_layers, help=f"layers of the --{shaped} checkpoint")
+    ap.add_argument("--device", default="cuda", help=f"where --{shaped} weights are initialised")
     args = ap.parse_args()
-    if args.qwen3_30b_a3b:
-        print(make_qwen3_30b_a3b_shaped(args.path, args.num_layers, args.seed, args.device))
+    if getattr(args, shaped.replace("-", "_")):
+        print(make_shaped(args.path, args.num_layers, args.seed, args.device))
     else:
-        print(make_tiny_qwen3_moe(args.path, args.seed))
+        print(make_tiny(args.path, args.seed))
+
+
+def main() -> None:
+    writer_cli(
+        "flashmoe.demo.tiny_model",
+        __doc__,
+        "qwen3-30b-a3b",
+        48,
+        make_qwen3_30b_a3b_shaped,
+        make_tiny_qwen3_moe,
+    )
 
 
 if __name__ == "__main__":
