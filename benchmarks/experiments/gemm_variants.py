@@ -82,13 +82,16 @@ VARIANTS = {
         const int r = (tid >> 3) + 4 * i;""",
         ),
     ],
-    # Weights streamed with the default L2 policy instead of evict-first.
+    # bf16 weights loaded without the evict-first L2 hint (as before 2026-11-22's e8e8ecf).
     "no_evict_first": [
-        (
-            "csrc/flashmoe/tasks.cuh",
-            "const uint64_t stream_policy = l2_policy_evict_first(),",
-            "const uint64_t stream_policy = l2_policy_evict_normal(),",
-        )
+        ("csrc/flashmoe/tasks.cuh", "if constexpr (kFp8) tma_load_5d(", "if constexpr (true) tma_load_5d("),
+        ("csrc/flashmoe/tasks.cuh", "if constexpr (kFp8) tma_load_2d(", "if constexpr (true) tma_load_2d("),
+    ],
+    # fp8 weights loaded with the evict-first hint too: the configuration whose fp8 smoke lost bitwise
+    # repeatability (benchmarks/results/2026-11-22-h200x2-fp8-determinism-runs.json), for the bisection.
+    "fp8_evict_first": [
+        ("csrc/flashmoe/tasks.cuh", "if constexpr (kFp8) tma_load_5d(", "if constexpr (false) tma_load_5d("),
+        ("csrc/flashmoe/tasks.cuh", "if constexpr (kFp8) tma_load_2d(", "if constexpr (false) tma_load_2d("),
     ],
     # Numerically unsafe (GEMM1 may read activations before they are visible): the cost of the GEMM0 release.
     "no_fence": [
@@ -99,37 +102,44 @@ VARIANTS = {
         )
     ],
 }
-timings = sys.argv[1]
-out = Path(sys.argv[2])
-for name in sys.argv[3].split(","):
-    root = Path("/tmp/var") / name
-    if root.exists():
-        shutil.rmtree(root)
-    shutil.copytree(SRC, root, ignore=shutil.ignore_patterns(".carry", ".git", "benchmarks/results"))
-    for rel, a, b in VARIANTS[name]:
-        patch(root, rel, a, b)
-    env = dict(os.environ, PYTHONPATH=str(root / "plugin"))
-    r = subprocess.run(
-        [
-            sys.executable,
-            str(root / "scripts/kernel_check.py"),
-            "--time-only",
-            "--timings",
-            timings,
-            "--out",
-            str(out / f"var_{name}.json"),
-            "--replays",
-            "20",
-            "--commit",
-            "variant-" + name,
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        cwd=root,
-    )
-    lines = [l for l in r.stdout.splitlines() if l.startswith("time") or "Error" in l]
-    print(f"== {name} rc {r.returncode}")
-    print("\n".join(lines) if lines else r.stdout[-1500:], flush=True)
-    if r.returncode:
-        print(r.stderr[-2500:], flush=True)
+
+
+def main():
+    timings = sys.argv[1]
+    out = Path(sys.argv[2])
+    for name in sys.argv[3].split(","):
+        root = Path("/tmp/var") / name
+        if root.exists():
+            shutil.rmtree(root)
+        shutil.copytree(SRC, root, ignore=shutil.ignore_patterns(".carry", ".git", "benchmarks/results"))
+        for rel, a, b in VARIANTS[name]:
+            patch(root, rel, a, b)
+        env = dict(os.environ, PYTHONPATH=str(root / "plugin"))
+        r = subprocess.run(
+            [
+                sys.executable,
+                str(root / "scripts/kernel_check.py"),
+                "--time-only",
+                "--timings",
+                timings,
+                "--out",
+                str(out / f"var_{name}.json"),
+                "--replays",
+                "20",
+                "--commit",
+                "variant-" + name,
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            cwd=root,
+        )
+        lines = [l for l in r.stdout.splitlines() if l.startswith("time") or "Error" in l]
+        print(f"== {name} rc {r.returncode}")
+        print("\n".join(lines) if lines else r.stdout[-1500:], flush=True)
+        if r.returncode:
+            print(r.stderr[-2500:], flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""Repeatability bisection on 2+ GPUs: scripts/gpu_smoke.py run on copies of the checkout with one source change
+each (the variants of gemm_variants.py), or with another tree's csrc/ (`csrc=DIR`: e.g. an older commit's,
+carried to the GPU machine), several times each; prints every failed check.
+
+    python benchmarks/experiments/smoke_variants.py OUT_DIR base,valid_rows,csrc=.carry/csrc_old --repeats 3
+    python benchmarks/experiments/smoke_variants.py OUT_DIR base --which fp8   # the fp8 leg only
+
+Full runs (every leg, the default) matter: on 2026-11-22 the fp8 repeatability failure showed only after the
+bf16, graph, put and stress legs had used the buffers (benchmarks/results/2026-11-22-h200x2-fp8-determinism-runs.json).
+"""
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+SRC = Path.cwd()
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out", type=Path)
+    ap.add_argument("variants", help="comma-separated: names from gemm_variants.VARIANTS, or csrc=DIR")
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--worlds", default="2")
+    ap.add_argument("--which", default="stress,timeout,fp8")
+    args = ap.parse_args()
+    from gemm_variants import VARIANTS, patch  # noqa: PLC0415
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    for name in args.variants.split(","):
+        label = name.replace("=", "_").replace("/", "_")
+        root = Path("/tmp/smoke_var") / label
+        if root.exists():
+            shutil.rmtree(root)
+        shutil.copytree(SRC, root, ignore=shutil.ignore_patterns(".git", "benchmarks/results"))
+        if name.startswith("csrc="):
+            shutil.rmtree(root / "csrc")
+            shutil.copytree(SRC / name.split("=", 1)[1], root / "csrc")
+        else:
+            for rel, old, new in VARIANTS[name]:
+                patch(root, rel, old, new)
+        env = dict(os.environ, PYTHONPATH=str(root / "plugin"))
+        for i in range(args.repeats):
+            out = args.out / f"smoke_{label}_{i}.json"
+            r = subprocess.run(
+                [
+                    sys.executable,
+                    "scripts/gpu_smoke.py",
+                    "--worlds",
+                    args.worlds,
+                    "--which",
+                    args.which,
+                    "--out",
+                    str(out),
+                ],
+                env=env,
+                capture_output=True,
+                text=True,
+                cwd=root,
+            )
+            try:
+                results = json.loads(out.read_text())["results"]
+                failed = [r for r in results if not r.get("ok")]
+                summary = f"{len(results) - len(failed)}/{len(results)} ok"
+            except (OSError, ValueError, KeyError):
+                failed, summary = [], "no JSON: " + (r.stdout[-800:] + r.stderr[-800:]).replace("\n", " | ")
+            print(f"== {name} run {i} rc {r.returncode}: {summary}", flush=True)
+            for f in failed:
+                print("   ", json.dumps(f)[:300], flush=True)
+
+
+if __name__ == "__main__":
+    main()
