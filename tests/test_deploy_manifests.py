@@ -317,7 +317,8 @@ def _fake_tools(tmp_path: Path, gpus: int) -> dict[str, str]:
     scripts = {
         "nvidia-smi": "#!/bin/sh\n"
         + "".join(f"echo 'GPU {i}: NVIDIA H200 (UUID: GPU-{i})'\n" for i in range(gpus)),
-        "vllm": '#!/bin/sh\nfor a in "$@"; do echo "$a"; done\n',
+        # The argv, then the node size the launch script hands flashmoe.
+        "vllm": '#!/bin/sh\nfor a in "$@"; do echo "$a"; done\necho "node_size=${FLASHMOE_NODE_SIZE:-unset}"\n',
     }
     for name, body in scripts.items():
         path = bin_dir / name
@@ -346,6 +347,7 @@ def test_launch_script_single_node(tmp_path):
     out = run_launch(tmp_path, "single", 8)
     assert out.returncode == 0, out.stderr
     argv = out.stdout.split()
+    assert argv[-1] == "node_size=unset", "one node: nothing to split"
     assert argv[:3] == ["serve", "--config", "/etc/flashmoe/serve/serve.yaml"]
     assert flag(argv, "--moe-backend") == "flashmoe" and "--enable-expert-parallel" in argv
     assert flag(argv, "--data-parallel-size") == "8"
@@ -364,6 +366,10 @@ def test_launch_script_leader_and_worker_split_dp_ranks(tmp_path):
         assert flag(argv, "--data-parallel-address") == "flashmoe-0.flashmoe"
     assert flag(la, "--port") == "8000" and "--headless" not in la
     assert "--headless" in wa and flag(wa, "--data-parallel-start-rank") == "16"
+    # Each pod is one node of 8 EP ranks for flashmoe's store/put split; an explicit value is kept.
+    assert la[-1] == wa[-1] == "node_size=8"
+    pinned = run_launch(tmp_path / "p", "worker", 8, LWS_WORKER_INDEX="1", FLASHMOE_NODE_SIZE="4", **lws)
+    assert pinned.stdout.split()[-1] == "node_size=4"
 
 
 def test_launch_script_refuses_missing_gpus_and_roles(tmp_path):
