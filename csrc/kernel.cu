@@ -154,6 +154,7 @@ void launch(const LaunchArgs& a, const Capacity& cap, cudaStream_t stream) {
   require(a.hidden_size <= cap.hidden_size && a.intermediate_size <= cap.intermediate_size && a.top_k <= cap.top_k && a.num_local <= cap.max_local,
           "layer shape exceeds the buffers' capacity");
   require(a.run.world_size == cap.world_size && a.run.world_size <= kMaxWorld, "world size mismatch with the buffers");
+  require(a.run.node_size >= 1 && a.run.world_size % a.run.node_size == 0, "node_size must divide the world size");
   require(a.hidden_size % kHiddenMultiple == 0 && a.intermediate_size % kInterMultiple == 0,
           "hidden must be a multiple of " + std::to_string(kHiddenMultiple) + " and intermediate of " +
               std::to_string(kInterMultiple));
@@ -177,6 +178,7 @@ void launch(const LaunchArgs& a, const Capacity& cap, cudaStream_t stream) {
   p.world_size = a.run.world_size;
   p.max_tokens_per_rank = static_cast<int>(cap.max_tokens_per_rank);
   p.force_put = a.run.force_put;
+  p.node_size = static_cast<int>(a.run.node_size);
   p.layer_id = a.run.layer_id;
   p.metrics = a.run.metrics;
   p.timeout_ns = static_cast<uint64_t>(a.run.timeout_ns);

@@ -16,9 +16,10 @@ drawn by :func:`moe_inputs.random_fp8_expert_weights` with token groups of rando
   static tensors before each; every replay must equal the eager output for those inputs bit for bit,
   and every 100th is checked against the reference.
 * ``determinism``: the same call repeated (incl. skewed routing with k=8): bitwise equal every time.
-* ``stress`` / ``put``: a layer built with ``FLASHMOE_STRESS_DELAY_NS`` (random sleeps before every
-  signal and wait) or ``FLASHMOE_FORCE_PUT=1`` (NVSHMEM put-with-signal to NVLink peers) must give the
-  normal layer's bits.
+* ``stress`` / ``put`` / ``nodes``: a layer built with ``FLASHMOE_STRESS_DELAY_NS`` (random sleeps before
+  every signal and wait), ``FLASHMOE_FORCE_PUT=1`` (NVSHMEM put-with-signal to NVLink peers) or
+  ``FLASHMOE_NODE_SIZE=W/2`` (two simulated nodes: stores within a half, puts across; W >= 2) must give
+  the normal layer's bits.
 * ``timeout`` (its own fresh processes: a timed-out process is poisoned): one rank never calls the layer;
   every other rank must raise FlashMoETimeoutError naming rank, peer and phase within 15 s.
 
@@ -67,7 +68,7 @@ from moe_inputs import (
 from multiproc import RanksTimedOut, apply_rank_env, run_ranks
 from tolerances import WEIGHT_DTYPES, ErrorStats, error_stats, kernel_budgets
 
-CHECKS = ("matrix", "graph", "determinism", "stress", "put", "timeout")
+CHECKS = ("matrix", "graph", "determinism", "stress", "put", "nodes", "timeout")
 
 # The shape grid of issue 3, with draw weights biased toward small values (see draw_configs).
 EXPERTS = {8: 0.3, 32: 0.3, 128: 0.25, 256: 0.15}
@@ -644,6 +645,8 @@ def world_worker(rank: int, world: int, port: int, task: dict, out_dir: str) -> 
                 check_variant(ctx, "stress", stress_env, seed, tiny, dtype)
             if "put" in checks:
                 check_variant(ctx, "put", {"FLASHMOE_FORCE_PUT": "1"}, seed, tiny, dtype)
+            if "nodes" in checks and world >= 2:
+                check_variant(ctx, "nodes", {"FLASHMOE_NODE_SIZE": str(world // 2)}, seed, tiny, dtype)
         dist.barrier()
     except WorldAborted as e:
         # Poisoned: skip NCCL/NVSHMEM teardown, which may wait on the peer that never came.

@@ -203,14 +203,39 @@ def test_overlays_do_not_share_resource_names(rendered):
 
 
 def test_multinode_overlays_carry_nvshmem_ib_environment(rendered):
-    for overlay in ("deepseek-v3", "qwen3-235b-a22b-2node"):
+    for overlay in ("deepseek-v3", "qwen3-235b-a22b-2node", "qwen3-235b-a22b-kuberay"):
         env = next(
             o for o in rendered[overlay] if o["kind"] == "ConfigMap" and "-env-" in o["metadata"]["name"]
         )
         assert env["data"]["NVSHMEM_REMOTE_TRANSPORT"] == "ibrc"
         assert env["data"]["FLASHMOE_CACHE_DIR"] == "/opt/flashmoe/cache"
-        lws = next(o for o in rendered[overlay] if o["kind"] == "LeaderWorkerSet")
-        assert lws["spec"]["leaderWorkerTemplate"]["size"] >= 2
+        # NVSHMEM's bootstrap sockets, gloo and NCCL's all use the pod network.
+        ifname = env["data"]["GLOO_SOCKET_IFNAME"]
+        assert env["data"]["NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME"] == env["data"]["NCCL_SOCKET_IFNAME"] == ifname
+        # flashmoe sizes the symmetric heap itself (FLASHMOE_MAX_TOKENS and the layer shapes).
+        assert "NVSHMEM_SYMMETRIC_SIZE" not in env["data"]
+        if "kuberay" not in overlay:
+            lws = next(o for o in rendered[overlay] if o["kind"] == "LeaderWorkerSet")
+            assert lws["spec"]["leaderWorkerTemplate"]["size"] >= 2
+
+
+def test_nvshmem_variables_in_manifests_are_known_to_nvshmem(rendered):
+    """A misspelt NVSHMEM_* variable is silently ignored: each must name a setting of the installed library."""
+    nvshmem = pytest.importorskip("nvidia.nvshmem", reason="the nvidia-nvshmem wheel names its settings")
+    libs = [p for d in nvshmem.__path__ for p in (Path(d) / "lib").glob("*.so*")]
+    assert libs, "nvidia-nvshmem ships no libraries"
+    known = b"".join(p.read_bytes() for p in libs)  # option names are stored without the NVSHMEM_ prefix
+    used = {
+        k
+        for objs in rendered.values()
+        for o in objs
+        if o["kind"] == "ConfigMap"
+        for k in o.get("data", {})
+        if k.startswith("NVSHMEM_")
+    }
+    assert "NVSHMEM_REMOTE_TRANSPORT" in used
+    unknown = sorted(k for k in used if k.removeprefix("NVSHMEM_").encode() + b"\0" not in known)
+    assert not unknown, unknown
 
 
 def env_config_map(objs: list[dict]) -> dict[str, str]:
@@ -317,7 +342,8 @@ def _fake_tools(tmp_path: Path, gpus: int) -> dict[str, str]:
     scripts = {
         "nvidia-smi": "#!/bin/sh\n"
         + "".join(f"echo 'GPU {i}: NVIDIA H200 (UUID: GPU-{i})'\n" for i in range(gpus)),
-        "vllm": '#!/bin/sh\nfor a in "$@"; do echo "$a"; done\n',
+        # The argv, then the node size the launch script hands flashmoe.
+        "vllm": '#!/bin/sh\nfor a in "$@"; do echo "$a"; done\necho "node_size=${FLASHMOE_NODE_SIZE:-unset}"\n',
     }
     for name, body in scripts.items():
         path = bin_dir / name
@@ -346,6 +372,7 @@ def test_launch_script_single_node(tmp_path):
     out = run_launch(tmp_path, "single", 8)
     assert out.returncode == 0, out.stderr
     argv = out.stdout.split()
+    assert argv[-1] == "node_size=unset", "one node: nothing to split"
     assert argv[:3] == ["serve", "--config", "/etc/flashmoe/serve/serve.yaml"]
     assert flag(argv, "--moe-backend") == "flashmoe" and "--enable-expert-parallel" in argv
     assert flag(argv, "--data-parallel-size") == "8"
@@ -364,6 +391,10 @@ def test_launch_script_leader_and_worker_split_dp_ranks(tmp_path):
         assert flag(argv, "--data-parallel-address") == "flashmoe-0.flashmoe"
     assert flag(la, "--port") == "8000" and "--headless" not in la
     assert "--headless" in wa and flag(wa, "--data-parallel-start-rank") == "16"
+    # Each pod is one node of 8 EP ranks for flashmoe's store/put split; an explicit value is kept.
+    assert la[-1] == wa[-1] == "node_size=8"
+    pinned = run_launch(tmp_path / "p", "worker", 8, LWS_WORKER_INDEX="1", FLASHMOE_NODE_SIZE="4", **lws)
+    assert pinned.stdout.split()[-1] == "node_size=4"
 
 
 def test_launch_script_refuses_missing_gpus_and_roles(tmp_path):

@@ -68,6 +68,15 @@ def test_forwarded_env_keeps_engine_variables_but_not_device_masks():
         launcher.forwarded_env({}, ["NO_EQUALS_SIGN"])
 
 
+def test_node_size_is_the_gpus_of_a_node_unless_set():
+    assert launcher.with_node_size({"NCCL_DEBUG": "WARN"}, 8) == {
+        "FLASHMOE_NODE_SIZE": "8",
+        "NCCL_DEBUG": "WARN",
+    }
+    assert launcher.with_node_size({"FLASHMOE_NODE_SIZE": "4"}, 8) == {"FLASHMOE_NODE_SIZE": "4"}
+    assert launcher.with_node_size({}, 0) == {}
+
+
 def _namespace_available() -> str | None:
     if shutil.which("unshare") is None:
         return "util-linux unshare not installed"

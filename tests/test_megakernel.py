@@ -166,6 +166,16 @@ def test_forced_put_path_is_bitwise_identical(world, dtype, world_run):
 @pytest.mark.parametrize("dtype", WEIGHT_DTYPES)
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.gpu
+@pytest.mark.timeout(WORLD_LIMIT_S + 120)
+def test_two_simulated_nodes_are_bitwise_identical(world, dtype, world_run):
+    """FLASHMOE_NODE_SIZE=W/2: NVLink stores within each half of the ranks, NVSHMEM puts across."""
+    recs = records_of(world_run(world), "nodes", dtype)
+    assert recs and all(r["passed"] for r in recs), failures(recs)
+
+
+@pytest.mark.parametrize("dtype", WEIGHT_DTYPES)
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.gpu
 @pytest.mark.timeout(180)
 def test_missing_rank_raises_timeout_naming_rank_peer_phase(world, dtype, tmp_path):
     require_gpus(world)
@@ -237,7 +247,7 @@ def test_harness_runs_on_cpu_with_reference_backend(tmp_path):
     task = gpu_task(configs) | {
         "device": "cpu",
         "tiny": True,
-        "checks": ["matrix", "determinism", "stress", "put"],
+        "checks": ["matrix", "determinism", "stress", "put", "nodes"],
     }
     result = run_world(2, task, tmp_path, limit_s=150)
     assert result["error"] is None, result["error"]
@@ -248,6 +258,7 @@ def test_harness_runs_on_cpu_with_reference_backend(tmp_path):
             "determinism",
             "stress",
             "put",
+            "nodes",
         }
         matrix = records_of(result, "matrix", dtype)
         assert len(matrix) == 4 and all(r["config"]["dtype"] == dtype for r in matrix)

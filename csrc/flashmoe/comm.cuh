@@ -99,10 +99,12 @@ __device__ void grid_barrier(const Params& p, int index, uint32_t epoch) {
 }
 
 __device__ void load_peer_table(const Params& p, PeerTable& peers) {
-  // Shared-memory table filled by the first `world` threads.
+  // Shared-memory table filled by the first `world` threads. Stores only within our node (even where
+  // nvshmem_ptr maps a peer on another one: FLASHMOE_NODE_SIZE simulates nodes on one host), puts elsewhere.
   if (threadIdx.x < p.world_size) {
     char* remote = static_cast<char*>(nvshmem_ptr(p.sym, threadIdx.x));
-    peers.base[threadIdx.x] = p.force_put ? nullptr : remote;
+    const bool same_node = static_cast<int>(threadIdx.x) / p.node_size == p.rank / p.node_size;
+    peers.base[threadIdx.x] = p.force_put || !same_node ? nullptr : remote;
   }
   __syncthreads();
 }

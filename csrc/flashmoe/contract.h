@@ -33,6 +33,7 @@ struct Capacity {
   X(world_size)   /* EP size */ \
   X(num_experts)  /* E, global */ \
   X(force_put)    /* 1: NVSHMEM puts even to NVLink peers */ \
+  X(node_size)    /* EP ranks per node (contiguous blocks): peers on other nodes get puts */ \
   X(layer_id)     /* row of the metrics totals */ \
   X(metrics)      /* 1: timestamps and counters into the metrics ring */ \
   X(num_blocks)   /* persistent grid size of this call */ \

@@ -21,6 +21,7 @@ struct Params {
   int rank, world_size;
   int max_tokens_per_rank;  // capacity: rows per source in the receive buffers
   int force_put;     // 1: put-with-signal to every peer, even NVLink ones
+  int node_size;     // EP ranks per node (contiguous blocks): peers on other nodes get puts
   int layer_id;
   int metrics;       // 1: write the metrics ring
   uint64_t timeout_ns;

@@ -29,6 +29,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("FLASHMOE_JIT_VERBOSE", "0", "1 prints every nvcc command line and its timing."),
     EnvVar("FLASHMOE_TIMEOUT_MS", "10000", "Bound on every spin-wait inside the kernel; on expiry the kernel records what it waited for and exits, and Python raises."),
     EnvVar("FLASHMOE_FORCE_PUT", "0", "1 sends dispatch/combine through NVSHMEM put-with-signal even to NVLink peers (the multi-node path, testable on one node)."),
+    EnvVar("FLASHMOE_NODE_SIZE", "0", "EP ranks per node (nodes are contiguous rank blocks): peers on other nodes get NVSHMEM puts, same-node peers NVLink stores; 0 = the launcher's LOCAL_WORLD_SIZE if it divides the EP world, else one node. Smaller than the real node simulates several nodes on one host."),
     EnvVar("FLASHMOE_NUM_BLOCKS", "0", "Persistent grid size (SM budget); 0 = every SM the occupancy check allows."),
     EnvVar("FLASHMOE_MAX_TOKENS", "0", "Max tokens per rank per call the symmetric buffers are sized for; 0 = what the engine reports."),
     EnvVar("FLASHMOE_TP_SLICE", "1", "vLLM TP+EP (tokens replicated over the EP group): 1 = each rank dispatches its 1/W slice of the tokens and the combined slices are all-gathered; 0 = every rank dispatches all of them (for A/B measurement)."),
@@ -134,6 +135,11 @@ def timeout_ms() -> int:
 
 def force_put() -> bool:
     return env_flag("FLASHMOE_FORCE_PUT")
+
+
+def node_size() -> int:
+    """FLASHMOE_NODE_SIZE; 0 = not set (flashmoe.topology decides)."""
+    return env_int("FLASHMOE_NODE_SIZE")
 
 
 def num_blocks() -> int:

@@ -34,7 +34,9 @@ class Capacity:
 
     def union(self, other: Capacity) -> Capacity:
         if self.world_size != other.world_size:
-            raise FlashMoEError(f"one process serves one EP group: world size {self.world_size} vs {other.world_size}")
+            raise FlashMoEError(
+                f"one process serves one EP group: world size {self.world_size} vs {other.world_size}"
+            )
         return Capacity(*(max(a, b) for a, b in zip(self.as_list(), other.as_list(), strict=True)))
 
 
@@ -46,6 +48,7 @@ class RuntimeArgs:
     world_size: int
     num_experts: int  # E, global
     force_put: int  # 1: NVSHMEM puts even to NVLink peers
+    node_size: int  # EP ranks per node (contiguous blocks): peers on other nodes get puts
     layer_id: int  # row of the metrics totals
     metrics: int  # 1: timestamps and counters into the metrics ring
     num_blocks: int  # persistent grid size of this call

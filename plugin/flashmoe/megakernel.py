@@ -18,19 +18,36 @@ from .contract import PHASES, STATUS_OK, STATUS_WORDS, Capacity, RuntimeArgs
 from .errors import FlashMoETimeoutError
 from .placement import ExpertPlacement
 from .spec import MoELayerSpec
+from .topology import NodeTopology, node_topology
 
 logger = logging.getLogger("flashmoe")
 
+
 def _capacity(spec: MoELayerSpec, world: int, max_local: int, num_blocks: int) -> Capacity:
-    return Capacity(spec.max_tokens_per_rank, spec.hidden_size, spec.intermediate_size, spec.top_k, world, max_local, num_blocks)
+    return Capacity(
+        spec.max_tokens_per_rank,
+        spec.hidden_size,
+        spec.intermediate_size,
+        spec.top_k,
+        world,
+        max_local,
+        num_blocks,
+    )
 
 
 def _ops():
     return build.load()
 
 
-def reserve(max_tokens_per_rank: int, hidden_size: int, intermediate_size: int, top_k: int, num_experts: int,
-            group=None, device: torch.device | None = None) -> _buffers.SymmetricBuffers:
+def reserve(
+    max_tokens_per_rank: int,
+    hidden_size: int,
+    intermediate_size: int,
+    top_k: int,
+    num_experts: int,
+    group=None,
+    device: torch.device | None = None,
+) -> _buffers.SymmetricBuffers:
     """Allocate the process's buffers for the largest layer up front (collective over ``group``)."""
     import torch.distributed as dist
 
@@ -38,14 +55,32 @@ def reserve(max_tokens_per_rank: int, hidden_size: int, intermediate_size: int, 
     rank = dist.get_rank(group) if dist.is_initialized() else 0
     device = device or torch.device("cuda", torch.cuda.current_device())
     ops = _ops()
-    spec = MoELayerSpec(num_experts, top_k, hidden_size, intermediate_size, config.max_tokens_per_rank(max_tokens_per_rank))
+    spec = MoELayerSpec(
+        num_experts, top_k, hidden_size, intermediate_size, config.max_tokens_per_rank(max_tokens_per_rank)
+    )
     max_local = -(-num_experts // world)
-    return _buffers.ensure(ops, _capacity(spec, world, max_local, _buffers.default_num_blocks(ops, device)), rank, world, group, device)
+    return _buffers.ensure(
+        ops,
+        _capacity(spec, world, max_local, _buffers.default_num_blocks(ops, device)),
+        rank,
+        world,
+        group,
+        device,
+    )
 
 
 class MegaKernelLayer:
-    def __init__(self, spec: MoELayerSpec, placement: ExpertPlacement, rank: int, world: int, group, cpu_group,
-                 device: torch.device, layer_id: int):
+    def __init__(
+        self,
+        spec: MoELayerSpec,
+        placement: ExpertPlacement,
+        rank: int,
+        world: int,
+        group,
+        cpu_group,
+        device: torch.device,
+        layer_id: int,
+    ):
         self.spec, self.rank, self.world, self.device, self.layer_id = spec, rank, world, device, layer_id
         self.ops = _ops()  # the variant (normal / stress) is fixed here, from the environment
         self.num_blocks = _buffers.default_num_blocks(self.ops, device)
@@ -54,11 +89,21 @@ class MegaKernelLayer:
         self.expert_rank = placement.expert_rank.to(device)
         self.expert_local = placement.expert_local.to(device)
         self.force_put = config.force_put()
+        self.topology = node_topology(world)
+        _log_topology(self.topology, self.force_put)
         self.timeout_ns = config.timeout_ms() * 1_000_000
         self.metrics = config.metrics_enabled()
-        self.runtime = RuntimeArgs(rank=rank, world_size=world, num_experts=spec.num_experts, force_put=int(self.force_put),
-                                   layer_id=layer_id, metrics=int(self.metrics), num_blocks=self.num_blocks,
-                                   timeout_ns=self.timeout_ns)
+        self.runtime = RuntimeArgs(
+            rank=rank,
+            world_size=world,
+            num_experts=spec.num_experts,
+            force_put=int(self.force_put),
+            node_size=self.topology.node_size,
+            layer_id=layer_id,
+            metrics=int(self.metrics),
+            num_blocks=self.num_blocks,
+            timeout_ns=self.timeout_ns,
+        )
         self.runtime_list = self.runtime.as_list()  # fixed for the layer's life: built once, not per call
 
     @property
@@ -67,43 +112,84 @@ class MegaKernelLayer:
         # freed) the ones that existed when this layer was built.
         return _buffers.current()
 
-    def forward(self, x, topk_ids, topk_weights, w13, w2, out=None, w13_scale_inv=None, w2_scale_inv=None) -> torch.Tensor:
+    def forward(
+        self, x, topk_ids, topk_weights, w13, w2, out=None, w13_scale_inv=None, w2_scale_inv=None
+    ) -> torch.Tensor:
         """bf16 weights, or block-fp8 ones (``float8_e4m3fn`` with their ``*_scale_inv``, read in place)."""
-        check_status(self.buffers)
+        check_status(self.buffers, self.topology)
         # FlashMoE.forward ran flashmoe.validation.check_call (shapes against the spec, dtypes, devices, contiguity).
         if out is None:
             out = torch.empty_like(x)
         b = self.buffers
         self.ops.moe_forward(
-            x, topk_ids, topk_weights, w13, w2, w13_scale_inv, w2_scale_inv, self.expert_rank, self.expert_local, out, b.workspace, b.status,
-            b.metrics_ring, b.metrics_totals, b.sym_ptr, b.capacity_list, self.runtime_list,
+            x,
+            topk_ids,
+            topk_weights,
+            w13,
+            w2,
+            w13_scale_inv,
+            w2_scale_inv,
+            self.expert_rank,
+            self.expert_local,
+            out,
+            b.workspace,
+            b.status,
+            b.metrics_ring,
+            b.metrics_totals,
+            b.sym_ptr,
+            b.capacity_list,
+            self.runtime_list,
             torch.cuda.current_stream(self.device).cuda_stream,
         )
         return out
 
 
-def describe_status(status: torch.Tensor) -> str | None:
+_logged_topologies: set[tuple[NodeTopology, bool]] = set()
+
+
+def _log_topology(topology: NodeTopology, force_put: bool) -> None:
+    """One start-up line per process (and per distinct setting, e.g. a test flipping FLASHMOE_NODE_SIZE)."""
+    if (topology, force_put) in _logged_topologies:
+        return
+    _logged_topologies.add((topology, force_put))
+    how = "FLASHMOE_FORCE_PUT=1: NVSHMEM puts to every peer" if force_put else topology.describe()
+    logger.info("flashmoe: EP %d, %s", topology.world_size, how)
+
+
+def _where(rank: int, topology: NodeTopology | None) -> str:
+    # NVSHMEM PE == EP rank (checked at start-up), so the rank names the PE too.
+    return f"rank {rank}" if topology is None else f"rank {rank} (node {topology.node_of(rank)})"
+
+
+def describe_status(status: torch.Tensor, topology: NodeTopology | None = None) -> str | None:
+    """The timeout report of a status record; with ``topology`` each rank is named with its node."""
     code, rank, peer, phase, detail, epoch, observed, block = (int(v) for v in status.tolist()[:STATUS_WORDS])
     if code == STATUS_OK:
         return None
     what = PHASES.get(phase, f"phase {phase}")
-    who = f"peer rank {peer}" if peer >= 0 else f"barrier {detail}"
+    who = f"peer {_where(peer, topology)}" if peer >= 0 else f"barrier {detail}"
     return (
-        f"flashmoe: rank {rank} timed out waiting for the {what} from {who} "
+        f"flashmoe: {_where(rank, topology)} timed out waiting for the {what} from {who} "
         f"(call #{epoch}, last value {observed & 0xFFFFFFFFFFFFFFFF:#x}, block {block}, "
         f"FLASHMOE_TIMEOUT_MS={config.timeout_ms()}); a rank of the EP group did not launch the layer or "
         f"died. This process's flashmoe state is no longer usable."
     )
 
 
-def check_status(buf: _buffers.SymmetricBuffers | None = None) -> None:
+def check_status(buf: _buffers.SymmetricBuffers | None = None, topology: NodeTopology | None = None) -> None:
     """Raise if any kernel of this process recorded a failure (reads host memory: no device sync)."""
     buf = buf or _buffers.current()
     if buf is None:
         return
     if buf.poisoned:
         raise FlashMoETimeoutError(buf.poisoned)
-    msg = describe_status(buf.status)
+    if topology is None and buf.status[0].item() != STATUS_OK:
+        # Called without a layer (synchronize_and_check): the layout the layers were built with.
+        try:
+            topology = node_topology(buf.capacity.world_size)
+        except ValueError:
+            topology = None  # the report must not fail on the variable the layers already rejected
+    msg = describe_status(buf.status, topology)
     if msg:
         buf.poisoned = msg
         raise FlashMoETimeoutError(msg)

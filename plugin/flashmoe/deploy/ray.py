@@ -72,6 +72,14 @@ def forwarded_env(environ: dict[str, str], extra: Sequence[str]) -> dict[str, st
     return env
 
 
+def with_node_size(env: dict[str, str], gpus_per_node: int) -> dict[str, str]:
+    """One vLLM process per node numbers its DP ranks node by node: flashmoe's nodes (NVLink stores
+    inside, NVSHMEM puts across) are blocks of ``gpus_per_node`` EP ranks, unless the user set them."""
+    if gpus_per_node < 1:
+        return env  # CPU engines: no flashmoe kernel
+    return {"FLASHMOE_NODE_SIZE": str(gpus_per_node), **env}
+
+
 def select_nodes(
     nodes: list[dict], count: int, gpus_per_node: int, driver_node_id: str
 ) -> list[RayNode] | None:
@@ -244,6 +252,7 @@ def serve(args: argparse.Namespace) -> int:
     url = f"http://{host_for_url}:{args.port}"
 
     if placement == "nodes":
+        env = with_node_size(env, gpus_per_node)
         plan = [
             (
                 node,

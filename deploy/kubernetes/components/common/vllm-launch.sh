@@ -23,6 +23,9 @@ case "$role" in
     ;;
   leader | worker)
     : "${LWS_LEADER_ADDRESS:?set by LeaderWorkerSet}" "${LWS_GROUP_SIZE:?set by LeaderWorkerSet}"
+    # One pod per node, DP ranks numbered node by node: flashmoe's nodes are blocks of $gpus EP ranks
+    # (NVLink stores inside a block, NVSHMEM puts across). vLLM's ranks get no LOCAL_WORLD_SIZE.
+    export FLASHMOE_NODE_SIZE="${FLASHMOE_NODE_SIZE:-$gpus}"
     args+=(--data-parallel-size $((LWS_GROUP_SIZE * gpus)) --data-parallel-size-local "$gpus"
       --data-parallel-address "$LWS_LEADER_ADDRESS" --data-parallel-rpc-port "$rpc_port")
     if [ "$role" = leader ]; then
