@@ -22,6 +22,12 @@ def patch(root, rel, old, new):
     f.write_text(s.replace(old, new))
 
 
+_FP8_EVICT_FIRST = [
+    ("csrc/flashmoe/tasks.cuh", "if constexpr (kFp8) tma_load_5d(", "if constexpr (false) tma_load_5d("),
+    ("csrc/flashmoe/tasks.cuh", "if constexpr (kFp8) tma_load_2d(", "if constexpr (false) tma_load_2d("),
+]
+_UNGUARD = ("csrc/flashmoe/gemm.cuh", "  pipe_wait(p, g, g.empty(st.stage), st.phase() ^ 1u);\n", "")
+
 VARIANTS = {
     "base": [],
     "l2none": [("csrc/kernel.cu", "CU_TENSOR_MAP_L2_PROMOTION_L2_256B", "CU_TENSOR_MAP_L2_PROMOTION_NONE")],
@@ -89,9 +95,22 @@ VARIANTS = {
     ],
     # fp8 weights loaded with the evict-first hint too: the configuration whose fp8 smoke lost bitwise
     # repeatability (benchmarks/results/2026-11-22-h200x2-fp8-determinism-runs.json), for the bisection.
-    "fp8_evict_first": [
-        ("csrc/flashmoe/tasks.cuh", "if constexpr (kFp8) tma_load_5d(", "if constexpr (false) tma_load_5d("),
-        ("csrc/flashmoe/tasks.cuh", "if constexpr (kFp8) tma_load_2d(", "if constexpr (false) tma_load_2d("),
+    "fp8_evict_first": _FP8_EVICT_FIRST,
+    # The consumers' wait for a stage's previous release taken out (wait_stage_full, gemm.cuh): the kernel as it
+    # was when fp8 evict-first failed. With fp8_evict_first_unguarded the failing configuration again (control).
+    "unguarded": [_UNGUARD],
+    "fp8_evict_first_unguarded": [*_FP8_EVICT_FIRST, _UNGUARD],
+    # Counts the cases the guard exists for: a consumer reaching a stage whose previous use is not yet released
+    # (smoke_variants.py prints how many lines; the printf call changes the consumer's timing a little).
+    "fp8_evict_first_probe": [
+        *_FP8_EVICT_FIRST,
+        (
+            _UNGUARD[0],
+            _UNGUARD[1],
+            "  if ((threadIdx.x & 127) == 0 && !mbar_try_wait(g.empty(st.stage), st.phase() ^ 1u))\n"
+            '    printf("flashmoe alias probe: block %d consumer %d stage %d\\n", blockIdx.x, threadIdx.x / 128 - 1,'
+            " st.stage);\n" + _UNGUARD[1],
+        ),
     ],
     # Numerically unsafe (GEMM1 may read activations before they are visible): the cost of the GEMM0 release.
     "no_fence": [

@@ -310,7 +310,14 @@ __device__ __forceinline__ void produce_tile(const Params& p, const GemmSmem& g,
 
 // Consumers: wait until the current stage has landed (trace builds time the wait), then make its cp.async
 // token rows (generic proxy) visible to wgmma (async proxy).
+// First the stage's previous use must be released (the producer's own condition for this fill): a parity wait
+// only tells the phase it names from the one before, so a consumer that skipped the other's ping-pong tile and
+// reaches the stage while that tile's fill of it is still in flight would take the pending phase's parity for
+// its own and read the stage early. bf16 tiles release a stage only after waiting for the next one (a tile's
+// last excepted), which closes that window for tiles longer than the ring; fp8 tiles release right after
+// their wgmma (consume_tile_fp8), which leaves it open (benchmarks/kernel-notes.md, evict-first section).
 __device__ __forceinline__ void wait_stage_full(const Params& p, const GemmSmem& g, PipeState& st, int ks) {
+  pipe_wait(p, g, g.empty(st.stage), st.phase() ^ 1u);
 #if FLASHMOE_TRACE
   const uint64_t wait_start = clock64();
   pipe_wait(p, g, g.full(st.stage), st.phase());
