@@ -96,7 +96,8 @@ static __device__ __noinline__ void produce_tasks(const Params& p, const GemmSme
   // bf16 weights are read once per call: evict-first keeps them from displacing the token rows and activations
   // that every feature tile reads again (8-13% of decode time, benchmarks/kernel-notes.md). fp8 layers load
   // without the hint: with it the fp8 smoke at world 2 lost bitwise repeatability and the EP2 fp8 layer
-  // benchmark faulted (2026-11-22, not yet explained; kernel-notes.md).
+  // benchmark faulted (2026-11-22). The likely cause, a stage-parity race of fp8 ping-pong tiles, is fixed in
+  // gemm.cuh (wait_stage_full); the hint returns for fp8 once GPU runs show it (kernel-notes.md).
   const uint64_t stream_policy = l2_policy_evict_first();
   PipeState st;
   TaskQueue queue;
