@@ -446,29 +446,22 @@ __device__ __forceinline__ void consumer_sync(int consumer) {
 
 // GEMM0 row half whose 64 A rows are 4 groups of (8 gate rows, 8 up rows) of the same 8 features (that is
 // how the w13 tensor map loads them): a thread holds gate and up of one feature, so SwiGLU happens here.
-// Writes the half's 32 features at staging column `column`.
-template <int N>
-__device__ __forceinline__ void store_swiglu(const float (&acc)[N / 2], bf16* staging, int stride, int column) {
+// Writes the half's 32 features at staging column `column`: bf16 rows, or fp32 ones (fp8 GEMM0: the epilogue
+// quantises each token's 128-group from these values).
+template <int N, typename T>
+__device__ __forceinline__ void store_swiglu(const float (&acc)[N / 2], T* staging, int stride, int column) {
+  static_assert(std::is_same_v<T, bf16> || std::is_same_v<T, float>, "bf16 or fp32 staging");
+  const auto to_staging = [](float v) {
+    if constexpr (std::is_same_v<T, bf16>) return __float2bfloat16_rn(v);
+    else return v;
+  };
   const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
   const int f = column + 8 * warp + (lane >> 2);
 #pragma unroll
   for (int j = 0; j < N / 8; ++j) {
     const int t = 8 * j + 2 * (lane & 3);
-    staging[t * stride + f] = __float2bfloat16_rn(silu(acc[4 * j]) * acc[4 * j + 2]);
-    staging[(t + 1) * stride + f] = __float2bfloat16_rn(silu(acc[4 * j + 1]) * acc[4 * j + 3]);
-  }
-}
-
-// fp8 GEMM0: the same SwiGLU in fp32 (the epilogue quantises each token's 128-group from these values).
-template <int N>
-__device__ __forceinline__ void store_swiglu_f32(const float (&acc)[N / 2], float* staging, int column) {
-  const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
-  const int f = column + 8 * warp + (lane >> 2);
-#pragma unroll
-  for (int j = 0; j < N / 8; ++j) {
-    const int t = 8 * j + 2 * (lane & 3);
-    staging[t * kFp8StagingStride + f] = silu(acc[4 * j]) * acc[4 * j + 2];
-    staging[(t + 1) * kFp8StagingStride + f] = silu(acc[4 * j + 1]) * acc[4 * j + 3];
+    staging[t * stride + f] = to_staging(silu(acc[4 * j]) * acc[4 * j + 2]);
+    staging[(t + 1) * stride + f] = to_staging(silu(acc[4 * j + 1]) * acc[4 * j + 3]);
   }
 }
 
@@ -523,7 +516,7 @@ static __device__ __noinline__ PipeState mma_fp8_tile_to_staging(const Params& p
   consume_tile_fp8<N>(p, g, st, k_steps, acc);
 #pragma unroll
   for (int h = 0; h < kHalves; ++h) {
-    if constexpr (kGateUp) store_swiglu_f32<N>(acc[h], static_cast<float*>(staging), column + h * kConsumerRows / 2);
+    if constexpr (kGateUp) store_swiglu<N>(acc[h], static_cast<float*>(staging), kFp8StagingStride, column + h * kConsumerRows / 2);
     else store_plain<N>(acc[h], static_cast<bf16*>(staging), staging_stride(N, true), h * kConsumerRows);
   }
   return st;
