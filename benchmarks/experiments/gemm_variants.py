@@ -22,6 +22,21 @@ def patch(root, rel, old, new):
     f.write_text(s.replace(old, new))
 
 
+def variant_tree(name, root):
+    """A fresh copy of the checkout at ``root`` with variant ``name`` applied: a name from VARIANTS, or
+    ``csrc=DIR`` (DIR relative to the checkout) for another tree's csrc/, e.g. an older commit's."""
+    if root.exists():
+        shutil.rmtree(root)
+    shutil.copytree(SRC, root, ignore=shutil.ignore_patterns(".carry", ".git", "benchmarks/results"))
+    if name.startswith("csrc="):
+        shutil.rmtree(root / "csrc")
+        shutil.copytree(SRC / name.split("=", 1)[1], root / "csrc")
+    else:
+        for rel, old, new in VARIANTS[name]:
+            patch(root, rel, old, new)
+    return root
+
+
 _FP8_EVICT_FIRST = [
     ("csrc/flashmoe/tasks.cuh", "if constexpr (kFp8) tma_load_5d(", "if constexpr (false) tma_load_5d("),
     ("csrc/flashmoe/tasks.cuh", "if constexpr (kFp8) tma_load_2d(", "if constexpr (false) tma_load_2d("),
@@ -127,12 +142,7 @@ def main():
     timings = sys.argv[1]
     out = Path(sys.argv[2])
     for name in sys.argv[3].split(","):
-        root = Path("/tmp/var") / name
-        if root.exists():
-            shutil.rmtree(root)
-        shutil.copytree(SRC, root, ignore=shutil.ignore_patterns(".carry", ".git", "benchmarks/results"))
-        for rel, a, b in VARIANTS[name]:
-            patch(root, rel, a, b)
+        root = variant_tree(name, Path("/tmp/var") / name)
         env = dict(os.environ, PYTHONPATH=str(root / "plugin"))
         r = subprocess.run(
             [

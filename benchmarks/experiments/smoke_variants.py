@@ -14,12 +14,10 @@ either mode may be used; kernel-notes.md (evict-first section) has the review of
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-SRC = Path.cwd()
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
@@ -31,21 +29,12 @@ def main():
     ap.add_argument("--worlds", default="2")
     ap.add_argument("--which", default="stress,timeout,fp8")
     args = ap.parse_args()
-    from gemm_variants import VARIANTS, patch  # noqa: PLC0415
+    from gemm_variants import variant_tree  # noqa: PLC0415
 
     args.out.mkdir(parents=True, exist_ok=True)
     for name in args.variants.split(","):
         label = name.replace("=", "_").replace("/", "_")
-        root = Path("/tmp/smoke_var") / label
-        if root.exists():
-            shutil.rmtree(root)
-        shutil.copytree(SRC, root, ignore=shutil.ignore_patterns(".git", "benchmarks/results"))
-        if name.startswith("csrc="):
-            shutil.rmtree(root / "csrc")
-            shutil.copytree(SRC / name.split("=", 1)[1], root / "csrc")
-        else:
-            for rel, old, new in VARIANTS[name]:
-                patch(root, rel, old, new)
+        root = variant_tree(name, Path("/tmp/smoke_var") / label)
         env = dict(os.environ, PYTHONPATH=str(root / "plugin"))
         for i in range(args.repeats):
             out = args.out / f"smoke_{label}_{i}.json"
