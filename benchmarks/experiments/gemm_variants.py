@@ -37,10 +37,6 @@ def variant_tree(name, root):
     return root
 
 
-_FP8_EVICT_FIRST = [
-    ("csrc/flashmoe/tasks.cuh", "if constexpr (kFp8) tma_load_5d(", "if constexpr (false) tma_load_5d("),
-    ("csrc/flashmoe/tasks.cuh", "if constexpr (kFp8) tma_load_2d(", "if constexpr (false) tma_load_2d("),
-]
 _UNGUARD = ("csrc/flashmoe/gemm.cuh", "  pipe_wait(p, g, g.empty(st.stage), st.phase() ^ 1u);\n", "")
 
 VARIANTS = {
@@ -103,22 +99,22 @@ VARIANTS = {
         const int r = (tid >> 3) + 4 * i;""",
         ),
     ],
-    # bf16 weights loaded without the evict-first L2 hint (as before 2026-11-22's e8e8ecf).
+    # Weights loaded without the evict-first L2 hint (as before 2026-11-22's e8e8ecf): evict_normal is the
+    # default policy.
     "no_evict_first": [
-        ("csrc/flashmoe/tasks.cuh", "if constexpr (kFp8) tma_load_5d(", "if constexpr (true) tma_load_5d("),
-        ("csrc/flashmoe/tasks.cuh", "if constexpr (kFp8) tma_load_2d(", "if constexpr (true) tma_load_2d("),
+        (
+            "csrc/flashmoe/hopper.cuh",
+            "createpolicy.fractional.L2::evict_first.b64",
+            "createpolicy.fractional.L2::evict_normal.b64",
+        )
     ],
-    # fp8 weights loaded with the evict-first hint too: the configuration whose fp8 smoke lost bitwise
-    # repeatability (benchmarks/results/2026-11-22-h200x2-fp8-determinism-runs.json), for the bisection.
-    "fp8_evict_first": _FP8_EVICT_FIRST,
-    # The consumers' wait for a stage's previous release taken out (wait_stage_full, gemm.cuh): the kernel as it
-    # was when fp8 evict-first failed. With fp8_evict_first_unguarded the failing configuration again (control).
+    # The consumers' wait for a stage's previous release taken out (wait_stage_full, gemm.cuh): the kernel whose
+    # fp8 smoke lost bitwise repeatability and whose EP2 fp8 layer benchmark faulted on 2026-11-22
+    # (benchmarks/results/2026-11-22-h200x2-fp8-determinism-runs.json): the control for that fix.
     "unguarded": [_UNGUARD],
-    "fp8_evict_first_unguarded": [*_FP8_EVICT_FIRST, _UNGUARD],
     # Counts the cases the guard exists for: a consumer reaching a stage whose previous use is not yet released
     # (smoke_variants.py prints how many lines; the printf call changes the consumer's timing a little).
-    "fp8_evict_first_probe": [
-        *_FP8_EVICT_FIRST,
+    "probe": [
         (
             _UNGUARD[0],
             _UNGUARD[1],

@@ -93,11 +93,8 @@ static __device__ __noinline__ void produce_tasks(const Params& p, const GemmSme
   const int64_t hidden_row_bytes = static_cast<int64_t>(p.hidden_size) * kElementBytes;
   const int64_t inter_row_bytes = static_cast<int64_t>(p.intermediate_size) * kElementBytes;
   const int hidden_groups = p.hidden_size / kFp8Group, inter_groups = p.intermediate_size / kFp8Group;
-  // bf16 weights are read once per call: evict-first keeps them from displacing the token rows and activations
-  // that every feature tile reads again (8-13% of decode time, benchmarks/kernel-notes.md). fp8 layers load
-  // without the hint: with it the fp8 smoke at world 2 lost bitwise repeatability and the EP2 fp8 layer
-  // benchmark faulted (2026-11-22). The likely cause, a stage-parity race of fp8 ping-pong tiles, is fixed in
-  // gemm.cuh (wait_stage_full); the hint returns for fp8 once GPU runs show it (kernel-notes.md).
+  // Expert weights are read once per call: evict-first keeps them from displacing the token rows and activations
+  // that every feature tile reads again (8-13% of bf16 decode time, benchmarks/kernel-notes.md).
   const uint64_t stream_policy = l2_policy_evict_first();
   PipeState st;
   TaskQueue queue;
@@ -125,8 +122,7 @@ static __device__ __noinline__ void produce_tasks(const Params& p, const GemmSme
         produce_tile<kFp8>(
             p, g, st, task.tile_tokens, task.rows, k_steps, row_at, scale_at,
             [&](char* stage, uint64_t* full, int ks, uint32_t weight_scales) {
-              if constexpr (kFp8) tma_load_5d(stage, &p.tmap_w13, full, ks * tile_k(kFp8), 0, 0, feature_group, task.expert);
-              else tma_load_5d(stage, &p.tmap_w13, full, ks * tile_k(kFp8), 0, 0, feature_group, task.expert, stream_policy);
+              tma_load_5d(stage, &p.tmap_w13, full, ks * tile_k(kFp8), 0, 0, feature_group, task.expert, stream_policy);
               if constexpr (kFp8) {
                 cp_async_4(weight_scales, gate_scale + ks, true);
                 cp_async_4(weight_scales + 4, up_scale + ks, true);
@@ -147,8 +143,7 @@ static __device__ __noinline__ void produce_tasks(const Params& p, const GemmSme
           p, g, st, task.tile_tokens, task.rows, k_steps, [&](int r) { return act + (first + r) * inter_row_bytes; },
           [&](int r) { return act_scales + (first + r) * inter_groups; },
           [&](char* stage, uint64_t* full, int ks, uint32_t weight_scales) {
-            if constexpr (kFp8) tma_load_2d(stage, &p.tmap_w2, full, ks * tile_k(kFp8), w2_row);
-            else tma_load_2d(stage, &p.tmap_w2, full, ks * tile_k(kFp8), w2_row, stream_policy);
+            tma_load_2d(stage, &p.tmap_w2, full, ks * tile_k(kFp8), w2_row, stream_policy);
             if constexpr (kFp8) {  // one block for the tile's rows: both slots
               cp_async_4(weight_scales, weight_scale + ks, true);
               cp_async_4(weight_scales + 4, weight_scale + ks, true);
