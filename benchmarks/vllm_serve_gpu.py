@@ -263,7 +263,8 @@ def measure_level(
         result = parse_bench_result(work_dir / name)
         if result["completed"] != prompts or result["failed"]:
             raise RuntimeError(
-                f"vllm bench serve: {result['completed']}/{prompts} completed, {result['failed']} failed"
+                f"vllm bench serve: {result['completed']}/{prompts} completed, {result['failed']} failed; "
+                f"its output ends: {(proc.stdout + proc.stderr)[-1500:]}"
             )
         # Every request exactly input_len in and output_len out, or the levels are not comparable.
         want = (prompts * args.input_len, prompts * args.output_len)
@@ -289,6 +290,19 @@ def write_word_tokenizer(model_dir: Path, vocab_size: int) -> None:
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>").save_pretrained(model_dir)
 
 
+def max_model_len(input_len: int, output_len: int, vocab_size: int) -> int:
+    """The server's --max-model-len for prompts of ``input_len`` words of :func:`write_word_tokenizer`.
+
+    vLLM (0.26.0, vllm/renderers/params.py) rejects a text prompt with 400 before tokenizing it when it
+    has more characters than (max_model_len - max_tokens) x the longest token string: with 7-character
+    words ('w151935') and single spaces a 1024-word prompt of large ids is 8191 characters, over the
+    (1024 + 64) x 7 = 7616 that a 64-token margin allows. The margin here covers the worst prompt (every
+    word of the longest length) with 64 tokens to spare."""
+    longest = len(f"w{vocab_size - 1}")
+    worst_chars = input_len * (longest + 1) - 1
+    return -(-worst_chars // longest) + output_len + 64
+
+
 def log_lines(text: str) -> list[str]:
     keys = (
         "flashmoe",
@@ -310,7 +324,7 @@ def run_one(name: str, args, model: Path) -> dict:
     compilation = {"cudagraph_capture_sizes": CAPTURE_SIZES, "pass_config": {"fuse_allreduce_rms": False}}
     vargs = parallel + [
         "--max-model-len",
-        str(args.input_len + args.output_len + 64),
+        str(max_model_len(args.input_len, args.output_len, args.vocab)),
         "--max-num-seqs",
         "256",
         "--gpu-memory-utilization",

@@ -63,6 +63,19 @@ def test_command_line_parses_with_the_installed_vllm(tmp_path):
     assert args.metric_percentiles == "50,99" and args.save_result
 
 
+@pytest.mark.parametrize("vocab", [1000, 102400, 151936])
+def test_max_model_len_admits_the_longest_word_prompt(vocab):
+    # vLLM rejects a text prompt longer than (max_model_len - max_tokens) x the longest token string
+    # (characters) before tokenizing it; the worst prompt is every word of the longest length.
+    longest = len(f"w{vocab - 1}")
+    text = " ".join([f"w{vocab - 1}"] * 1024)
+    assert len(text) == 1024 * (longest + 1) - 1
+    mml = serve.max_model_len(1024, 256, vocab)
+    assert len(text) <= (mml - 256) * longest and mml - 256 >= 1024 + 64
+    # the margin the first GPU run used let 103 of 256 Qwen3-vocabulary prompts fail with 400
+    assert vocab < 100000 or len(text) > (1024 + 64) * longest
+
+
 def test_summary_keeps_the_spread_over_repeats():
     keys = [ours for ours, _ in serve.BENCH_FIELDS]
     reps = [dict.fromkeys(keys, 1.0), dict.fromkeys(keys, 3.0)]
