@@ -62,7 +62,7 @@ def test_report_merges_compares_plots_and_writes_the_readme_section(tmp_path):
     assert out.with_suffix(".png").stat().st_size > 1000
     text = readme.read_text()
     assert text.startswith("# bench\n\nintro\n") and report.BEGIN in text and report.END in text
-    assert "c=1: 2.00×, c=64: 2.00×" in text
+    assert "c=1: 1.50× (2.00×), c=64: 1.50× (2.00×)" in text  # output tok/s ratio, then decode ratio
     # Regenerating replaces the section instead of appending a second one.
     assert report.main([*files, "--json", str(out), "--readme", str(readme)]) == 0
     assert readme.read_text().count(report.BEGIN_MARK) == 1
@@ -92,4 +92,22 @@ def test_report_reads_vllm_bench_serve_levels_next_to_older_runs(tmp_path):
     assert "TPOT p99 ms · TTFT median / p99 ms" in text
     assert "| flashmoe_dp4_ep | 117–143 · 14.0 · 90 / 300 | 7488–9152 · 14.0 · 90 / 300 |" in text
     assert "| vllm_dp4_ep |" in text.split("TPOT p99")[0]  # the older run is in the main table only
-    assert "c=1: 2.00×" in text  # decode ratio from the median TPOT, as before
+    assert "c=1: 1.30× (2.00×)" in text  # decode ratio (median TPOT) in brackets
+
+
+def test_report_names_each_runs_method_when_they_differ(tmp_path):
+    a, b = _run("flashmoe_dp4_ep", 130.0, 10.0, [[1]]), _run("vllm_dp4_ep", 100.0, 20.0, [[1]])
+    a["method"], b["method"] = "bench, 2 repeats per level", "bench, 1 repeats per level"
+    files = []
+    for run in (a, b):
+        f = tmp_path / f"vllm_{run['run']}.json"
+        f.write_text(json.dumps(run))
+        files.append(str(f))
+    out = tmp_path / "serve.json"
+    assert report.main([*files, "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert (
+        doc["method"]
+        == "flashmoe_dp4_ep: bench, 2 repeats per level; vllm_dp4_ep: bench, 1 repeats per level"
+    )
+    assert doc["runs"]["vllm_dp4_ep"]["method"] == "bench, 1 repeats per level"
