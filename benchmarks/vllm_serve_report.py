@@ -217,7 +217,10 @@ def profile_tables(runs: dict[str, dict], method: str | None) -> list[str]:
                 lines.append(f"| {name} | {why[:160]} |" + " |" * (len(PROFILE_COLUMNS) - 2))
                 continue
             cats, gaps = m["categories_ms"], m["gap_mean_us"]
-            cells = [f"{m['steps']} × {m['workers']}"] + [
+            steps = f"{m['steps']} × {m['workers']}" + (
+                " (fallback: no step boundaries)" if m.get("note") else ""
+            )
+            cells = [steps] + [
                 f"{v:.3f}"
                 for v in (m["step_ms"], m["busy_ms"], m["idle_ms"])
                 + tuple(cats[k] for k in ("moe", "routing", "comm", "attention", "gemm", "other"))

@@ -196,3 +196,23 @@ def test_a_trace_still_being_written_is_waited_for_within_the_deadline(tmp_path)
     finally:
         finisher.join()
     assert sp.summarize_trace(doc)["steps"] == 2
+
+
+def test_graph_kernels_without_correlation_fall_back_to_the_launch_count():
+    # two launches, kernels whose correlation matches neither: whole span / 2, flagged as a fallback
+    ev = [_x("cuda_runtime", "cudaGraphLaunch", t, 5, c, stream=1, pid=1) for t, c in ((0, 1), (100, 2))]
+    ev += [_x("kernel", MOE, 1000, 40, 0), _x("kernel", GEMM, 1050, 10, 0), _x("kernel", GEMM, 1100, 20, 0)]
+    s = sp.summarize_trace({"traceEvents": ev})
+    assert s["graph_kernels"] == 0 and s["steps"] == 2 and s["step_marker"].startswith("fallback")
+    assert (s["window_ms"], s["per_step"]["step_ms"], s["per_step"]["busy_ms"]) == (0.12, 0.06, 0.035)
+    assert s["per_step"]["categories_ms"]["moe"] == 0.02 and s["per_step"]["step_ms_median"] is None
+    gaps = {cls: g["per_step_us"] for cls, g in s["gaps"].items()}  # 10 after the moe kernel, then 40
+    assert gaps == {
+        "before_moe": 0.0,
+        "after_moe": 5.0,
+        "inside_moe": 0.0,
+        "step_boundary": 0.0,
+        "other": 20.0,
+    }
+    mean = sp.mean_over_workers({"w": s})
+    assert mean["step_ms"] == 0.06 and mean["step_ms_median"] is None and "fallback" in mean["note"]

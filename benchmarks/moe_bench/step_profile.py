@@ -16,7 +16,9 @@ vLLM's ``--profiler-config '{"profiler": "torch", ...}'`` makes every worker wri
   the longest run of consecutive full launches with no other graph launch and no eager step between
   them (an eager prefill shows up as more eager kernels than half a full graph); n launches, n - 1 steps.
   This counts ``cudaGraphLaunch`` runtime events, but only those that replay a decode step, and it needs
-  no vLLM annotation: DP ranks without requests run unannotated dummy steps in lockstep.
+  no vLLM annotation: DP ranks without requests run unannotated dummy steps in lockstep. Should no
+  kernel carry a graph launch's correlation id, the fallback is the whole kernel span over the number of
+  launches (``step_marker`` says so; prefill included, no step boundaries).
 - Busy: the union of kernel intervals; idle = window - busy. Busy is split into categories
   (:data:`CATEGORIES`) exactly: where k kernels overlap, each gets 1/k of that time, so the categories
   add up to busy. ``kernel_time_ms`` is the plain sum of kernel durations (overlap counted twice).
@@ -207,12 +209,22 @@ def summarize_trace(doc: dict, top: int = TOP_KERNELS) -> dict:
     eager_starts = [k.start for k in kernels if k.corr not in graph_corrs]
     run, largest = _decode_run(launches, kernels_by_corr, eager_starts)
     out["kernels_per_decode_graph"] = largest
+    if len(run) < 2 and launches and not out["graph_kernels"]:
+        # Graph launches whose kernels carry no matching correlation id: no step boundaries, so the whole
+        # kernel span (prefill included) divided by the number of launches is the best that is left.
+        bounds = [kernels[0].start, max(k.end for k in kernels)]
+        out.update(_window(kernels, bounds, set(), copies, top, steps=len(launches)))
+        out["step_marker"] = "fallback: whole kernel span / cudaGraphLaunch count (prefill included)"
+        out["note"] = (
+            f"{len(launches)} cudaGraphLaunch events but no kernel correlated with one: no decode window, "
+            "per-step numbers are the whole trace over the launch count"
+        )
+        return out
     if len(run) < 2:
         out["steps"] = 0
         out["note"] = (
             f"no two consecutive full CUDA-graph launches ({len(launches)} cudaGraphLaunch events, "
-            f"{out['graph_kernels']} kernels correlated with them): no decode window; eager mode, or CUPTI "
-            "did not report the graphs' kernels"
+            f"{out['graph_kernels']} kernels correlated with them): no decode window (eager mode?)"
         )
         return out
     bounds = [s for s, _ in run]
@@ -224,10 +236,16 @@ def summarize_trace(doc: dict, top: int = TOP_KERNELS) -> dict:
     return out
 
 
-def _window(kernels: list[_Kernel], bounds: list[float], step_first: set, copies, top: int) -> dict:
+def _window(
+    kernels: list[_Kernel], bounds: list[float], step_first: set, copies, top: int, steps: int | None = None
+) -> dict:
+    """Numbers of the window [bounds[0], bounds[-1]], per step; ``bounds`` are the step starts (and the
+    window's end), unless ``steps`` divides a window without step boundaries."""
     w0, w1 = bounds[0], bounds[-1]
-    steps = len(bounds) - 1
-    per_step_pieces: list[list[tuple[float, float, str]]] = [[] for _ in range(steps)]
+    intervals = len(bounds) - 1
+    bounded = steps is None
+    steps = intervals if bounded else steps
+    per_step_pieces: list[list[tuple[float, float, str]]] = [[] for _ in range(intervals)]
     kernel_time: dict[str, float] = dict.fromkeys(CATEGORY_NAMES, 0.0)
     by_name: dict[str, list] = defaultdict(lambda: [0, 0.0])
     first_in_step: dict[str, list[list[float]]] = {"moe": [[], []], "comm": [[], []]}
@@ -241,7 +259,7 @@ def _window(kernels: list[_Kernel], bounds: list[float], step_first: set, copies
         by_name[k.name][1] += e - s
         lo = bisect.bisect_right(bounds, s) - 1
         hi = bisect.bisect_left(bounds, e)
-        for i in range(max(lo, 0), min(hi, steps)):
+        for i in range(max(lo, 0), min(hi, intervals)):
             per_step_pieces[i].append((max(s, bounds[i]), min(e, bounds[i + 1]), k.cat))
         if k.cat in first_in_step and w0 <= k.start < w1:
             step = bisect.bisect_right(bounds, k.start) - 1
@@ -260,9 +278,9 @@ def _window(kernels: list[_Kernel], bounds: list[float], step_first: set, copies
     window = w1 - w0
     per_step = {
         "step_ms": _ms(window / steps),
-        "step_ms_median": round(statistics.median(step_ms), 4),
-        "step_ms_min": round(min(step_ms), 4),
-        "step_ms_max": round(max(step_ms), 4),
+        "step_ms_median": round(statistics.median(step_ms), 4) if bounded else None,
+        "step_ms_min": round(min(step_ms), 4) if bounded else None,
+        "step_ms_max": round(max(step_ms), 4) if bounded else None,
         "busy_ms": _ms(busy_total / steps),
         "idle_ms": _ms((window - busy_total) / steps),
         "kernels": round(sum(v[0] for v in by_name.values()) / steps, 2),
@@ -292,7 +310,9 @@ def _window(kernels: list[_Kernel], bounds: list[float], step_first: set, copies
                 "rest_per_step": round(len(r) / steps, 2),
             }
             for cat, (f, r) in first_in_step.items()
-        },
+        }
+        if bounded
+        else None,
         "top_kernels": [
             {
                 "name": name[:160],
@@ -386,6 +406,9 @@ def mean_over_workers(workers: dict) -> dict:
             c: _avg([w["per_step"]["categories_ms"][c] for w in with_steps]) for c in CATEGORY_NAMES
         },
     }
+    fallback = sum(str(w.get("step_marker", "")).startswith("fallback") for w in with_steps)
+    if fallback:
+        mean["note"] = f"{fallback} of {n} workers without step boundaries (step_marker: fallback)"
     mean["gap_mean_us"] = {}
     for cls in GAP_CLASSES:
         total = sum(w["gaps"][cls]["per_step_us"] for w in with_steps)
@@ -394,8 +417,9 @@ def mean_over_workers(workers: dict) -> dict:
     return mean
 
 
-def _avg(values: list[float]) -> float:
-    return round(statistics.fmean(values), 4)
+def _avg(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return round(statistics.fmean(known), 4) if known else None
 
 
 def table(summary: dict) -> str:
