@@ -28,6 +28,15 @@ own ``vllm bench serve`` (random dataset, ``--input-len`` in, ``--output-len`` o
 (``vllm_<run>.json``); ``--deadline-s`` skips runs that would not finish in time, so a later call
 can do the rest. ``benchmarks/vllm_serve_report.py`` merges the JSONs, compares and plots.
 
+``--profile-levels 1,64``: the server starts with vLLM's torch profiler configured (:func:`profiler_config`)
+and, after the throughput levels, each listed concurrency c gets one profiled wave (:func:`profile_level`):
+POST /start_profile, `vllm bench serve` with c prompts at concurrency c (``--profile-output-len`` tokens
+out), POST /stop_profile, every worker's trace (one per GPU: ``dp<i>_pp0_tp0_dcp0_ep<i>_rank<r>.<ns>
+.pt.trace.json.gz``) summarised by ``moe_bench/step_profile.py`` into the run JSON's ``profile`` (per
+decode step: GPU busy/idle, moe/routing/comm/attention/gemm/other, gaps around the MoE kernels, top
+kernels). The traces go to a temporary folder, never ``--out``, and are deleted once summarised
+(``--keep-traces DIR`` moves them there instead).
+
 ``--bundle``: the folder of ``vllm-bundle.part-*`` files made by the gpu-wheelhouse tool (vLLM 0.26.0
 for the machines' torch 2.11, no network there); unpacked once into ``--site``.
 """
@@ -35,14 +44,19 @@ for the machines' torch 2.11, no network there); unpacked once into ``--site``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.metadata
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
@@ -52,6 +66,7 @@ sys.path.insert(0, str(REPO / "plugin"))
 from flashmoe.demo import VLLMServer  # noqa: E402
 from flashmoe.demo.deepseek_model import make_deepseek_v2_lite_shaped  # noqa: E402
 from flashmoe.demo.tiny_model import make_qwen3_30b_a3b_shaped  # noqa: E402
+from moe_bench import step_profile  # noqa: E402
 
 
 class ModelChoice(NamedTuple):
@@ -238,6 +253,45 @@ def summarize(concurrency: int, prompts: int, repeats: list[dict]) -> dict:
     return level
 
 
+def run_bench(
+    srv: VLLMServer,
+    model: Path,
+    concurrency: int,
+    prompts: int,
+    input_len: int,
+    output_len: int,
+    seed: int,
+    work_dir: Path,
+    name: str,
+    timeout: float,
+) -> dict:
+    """One `vllm bench serve` run; its numbers (:func:`parse_bench_result`), or an error unless every
+    request completed with exactly ``input_len`` tokens in and ``output_len`` out."""
+    cmd = bench_serve_cmd(
+        srv.url, model, srv.served_model_name, concurrency, prompts, input_len, output_len,
+        seed=seed, result_dir=work_dir, result_file=name,
+    )  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode:
+        raise RuntimeError(
+            f"vllm bench serve exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-3000:]}"
+        )
+    result = parse_bench_result(work_dir / name)
+    if result["completed"] != prompts or result["failed"]:
+        raise RuntimeError(
+            f"vllm bench serve: {result['completed']}/{prompts} completed, {result['failed']} failed; "
+            f"its output ends: {(proc.stdout + proc.stderr)[-1500:]}"
+        )
+    # Every request exactly input_len in and output_len out, or the levels are not comparable.
+    want = (prompts * input_len, prompts * output_len)
+    if (result["input_tokens"], result["output_tokens"]) != want:
+        raise RuntimeError(
+            f"vllm bench serve moved {result['input_tokens']} input / {result['output_tokens']} output tokens, "
+            f"expected {want[0]} / {want[1]}"
+        )
+    return result
+
+
 def measure_level(
     srv: VLLMServer,
     model: Path,
@@ -251,30 +305,135 @@ def measure_level(
     repeats = []
     for rep in range(args.repeats):
         name = f"bench-c{concurrency}-r{rep}.json"
-        cmd = bench_serve_cmd(
-            srv.url, model, srv.served_model_name, concurrency, prompts, args.input_len, args.output_len,
-            seed=1000 * rep + concurrency, result_dir=work_dir, result_file=name,
+        repeats.append(
+            run_bench(srv, model, concurrency, prompts, args.input_len, args.output_len,
+                      seed=1000 * rep + concurrency, work_dir=work_dir, name=name, timeout=timeout)
         )  # fmt: skip
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-        if proc.returncode:
-            raise RuntimeError(
-                f"vllm bench serve exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-3000:]}"
-            )
-        result = parse_bench_result(work_dir / name)
-        if result["completed"] != prompts or result["failed"]:
-            raise RuntimeError(
-                f"vllm bench serve: {result['completed']}/{prompts} completed, {result['failed']} failed; "
-                f"its output ends: {(proc.stdout + proc.stderr)[-1500:]}"
-            )
-        # Every request exactly input_len in and output_len out, or the levels are not comparable.
-        want = (prompts * args.input_len, prompts * args.output_len)
-        if (result["input_tokens"], result["output_tokens"]) != want:
-            raise RuntimeError(
-                f"vllm bench serve moved {result['input_tokens']} input / {result['output_tokens']} output tokens, "
-                f"expected {want[0]} / {want[1]}"
-            )
-        repeats.append(result)
     return summarize(concurrency, prompts, repeats)
+
+
+def profiler_config(trace_dir: Path) -> dict:
+    """vLLM's ``--profiler-config`` for the profiled waves (fields of vllm/config/profiler.py, the same in
+    0.26.0 and 0.32.0): the torch profiler writing gzip traces into ``trace_dir``, kept small (no stacks,
+    shapes, memory or FLOPs; no front-end CPU trace; no per-rank key_averages table, which costs each worker
+    seconds at /stop_profile and one more file each).
+
+    No ``delay_iterations``/``max_iterations``: a DP rank without requests runs dummy steps, which never
+    advance the worker profiler's step count (0.26 gpu_worker: only execute_model steps it), so with a
+    delay those ranks would never start and with a limit never stop. One short wave per level keeps the
+    trace small instead, and the summariser picks the decode steps out of it."""
+    return {
+        "profiler": "torch",
+        "torch_profiler_dir": str(trace_dir),
+        "torch_profiler_with_stack": False,
+        "torch_profiler_record_shapes": False,
+        "torch_profiler_with_memory": False,
+        "torch_profiler_with_flops": False,
+        "torch_profiler_use_gzip": True,
+        "torch_profiler_dump_cuda_time_total": False,
+        "ignore_frontend": True,
+    }
+
+
+def post_profiler(srv: VLLMServer, route: str, timeout: float) -> None:
+    """POST /start_profile or /stop_profile (empty body; 0.26 takes none, 0.32 an optional one)."""
+    req = urllib.request.Request(srv.url + route, data=b"", method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            r.read()
+    except urllib.error.HTTPError as e:
+        hint = " (the server runs without --profiler-config)" if e.code == 404 else ""
+        raise RuntimeError(f"POST {route} answered {e.code}{hint}: {e.read()[:300]!r}") from e
+
+
+def wait_for_traces(trace_dir: Path, before: set[Path], expected: int, timeout: float) -> list[Path]:
+    """The trace files that appeared in ``trace_dir`` since ``before``, once ``expected`` of them are there
+    and none grew for a second; after ``timeout`` s whatever is there (the caller records the shortfall)."""
+    deadline = time.monotonic() + timeout
+    sizes: dict[Path, int] = {}
+    while True:
+        new = sorted(set(trace_dir.glob(step_profile.TRACE_GLOB)) - before)
+        now = {}
+        for p in new:
+            try:
+                now[p] = p.stat().st_size
+            except FileNotFoundError:  # renamed away between glob and stat
+                continue
+        if len(now) >= expected and now == sizes:
+            return sorted(now)
+        if time.monotonic() > deadline:
+            return sorted(now)
+        sizes = now
+        time.sleep(1.0)
+
+
+def profile_level(
+    srv: VLLMServer,
+    model: Path,
+    concurrency: int,
+    args,
+    trace_dir: Path,
+    workers: int,
+    keep: Path | None = None,
+) -> dict:
+    """One profiled wave: /start_profile, `vllm bench serve` with ``concurrency`` prompts at concurrency
+    ``concurrency`` (one wave, ``args.profile_output_len`` tokens out), /stop_profile, then the summary of
+    the traces every worker wrote (:mod:`moe_bench.step_profile`). The raw traces are deleted (moved to
+    ``keep`` if given): a GPU trace holds an event per kernel, the level keeps its size in ``trace_mb``."""
+    level = {
+        "concurrency": concurrency,
+        "requests": concurrency,
+        "input_len": args.input_len,
+        "output_len": args.profile_output_len,
+        "profiler": "torch (vLLM --profiler-config), CPU + CUDA activity, no stacks/shapes/memory",
+    }
+    deadline = time.monotonic() + args.profile_wait_s  # one bound for the whole level
+
+    def left() -> float:
+        return max(1.0, deadline - time.monotonic())
+
+    before = set(trace_dir.glob(step_profile.TRACE_GLOB))
+    post_profiler(srv, "/start_profile", timeout=left())
+    try:
+        level["bench"] = run_bench(
+            srv, model, concurrency, concurrency, args.input_len, args.profile_output_len,
+            seed=7919 + concurrency, work_dir=trace_dir, name=f"profile-c{concurrency}.json", timeout=left(),
+        )  # fmt: skip
+    except BaseException:  # a failed wave still stops the profiler, or the next level's start is ignored
+        with contextlib.suppress(Exception):
+            post_profiler(srv, "/stop_profile", timeout=left())
+        raise
+    t0 = time.monotonic()
+    post_profiler(srv, "/stop_profile", timeout=left())  # returns once the workers wrote their traces
+    level["stop_profile_s"] = round(time.monotonic() - t0, 1)
+    files = wait_for_traces(trace_dir, before, workers, timeout=left())
+    level["trace_files"] = [p.name for p in files]
+    level["trace_mb"] = round(sum(p.stat().st_size for p in files) / 2**20, 1)
+    if len(files) < workers:
+        level["error"] = f"{len(files)} trace files of {workers} workers within {args.profile_wait_s:.0f} s"
+    try:
+        level.update(step_profile.summarize_files(step_profile.trace_names(files), deadline=deadline))
+    finally:
+        for p in files:
+            if keep is not None:
+                dest = keep / f"c{concurrency}"
+                dest.mkdir(parents=True, exist_ok=True)
+                shutil.move(str(p), dest / p.name)
+            else:
+                p.unlink(missing_ok=True)
+    return level
+
+
+def parse_levels(text: str) -> list[int]:
+    """``"1,64"`` -> [1, 64]; empty -> []; anything but positive integers is an error."""
+    levels = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        if not part.isdigit() or int(part) < 1:
+            raise ValueError(f"concurrency levels are positive integers separated by commas, got {text!r}")
+        levels.append(int(part))
+    return levels
 
 
 def write_word_tokenizer(model_dir: Path, vocab_size: int) -> None:
@@ -336,6 +495,10 @@ def run_one(name: str, args, model: Path) -> dict:
         "--attention-backend",
         args.attention_backend,
     ]
+    # Traces stay out of --out (an event per kernel; the device returns few files): summarised, then deleted.
+    trace_dir = Path(tempfile.mkdtemp(prefix=f"vllm-traces-{name}-")) if args.profile_levels else None
+    if trace_dir is not None:
+        vargs += ["--profiler-config", json.dumps(profiler_config(trace_dir))]
     env = dict(ENV)
     if backend:
         env["FLASHMOE_STRICT"] = "1"  # a fallback would make the comparison meaningless
@@ -345,32 +508,14 @@ def run_one(name: str, args, model: Path) -> dict:
     )
     row = {"run": name, "moe_backend": backend or "auto", "vllm_args": server.cmd[3:], "env": env}
     t0 = time.monotonic()
-    with server as srv:
-        row["startup_s"] = round(time.monotonic() - t0, 1)
-        print(f"{name}: server up in {row['startup_s']} s", flush=True)
-        rng = random.Random(1234)
-        prompts = [
-            [rng.randrange(4, args.vocab) for _ in range(args.check_len)] for _ in range(args.check_prompts)
-        ]
-        row["check_prompts"] = prompts
-        row["greedy_token_ids"] = greedy_ids(srv, prompts, args.check_tokens)
-        row["throughput"] = []
-        work = args.out / f"bench-{name}"
-        work.mkdir(parents=True, exist_ok=True)
-        for c in args.concurrency:
-            tp = measure_level(srv, model, c, args, work)
-            row["throughput"].append(tp)
-            print(
-                f"  c={c:4d}: {tp['output_tok_per_s']:8.0f} out tok/s (range {tp['spread']['output_tok_per_s'][0]:.0f}-"
-                f"{tp['spread']['output_tok_per_s'][1]:.0f}), TPOT p50 {tp['tpot_median_ms']:6.2f} p99 "
-                f"{tp['tpot_p99_ms']:6.2f} ms, TTFT p50 {tp['ttft_median_ms']:7.1f} p99 {tp['ttft_p99_ms']:7.1f} ms, "
-                f"{tp['ok']} requests",
-                flush=True,
-            )
-        # The plugin's Prometheus series as an operator scrapes them from vLLM's /metrics.
-        row["metrics_scrape"] = [m for m in srv.get("/metrics").splitlines() if m.startswith("flashmoe_")][
-            :60
-        ]
+    try:
+        with server as srv:
+            row["startup_s"] = round(time.monotonic() - t0, 1)
+            print(f"{name}: server up in {row['startup_s']} s", flush=True)
+            _serve_levels(srv, name, args, model, row, trace_dir)
+    finally:
+        if trace_dir is not None:
+            shutil.rmtree(trace_dir, ignore_errors=True)
     text = log.read_text(errors="replace")
     row["log"] = log_lines(text)
     row["megakernel_layers_reported"] = "-> backend megakernel" in text
@@ -378,6 +523,54 @@ def run_one(name: str, args, model: Path) -> dict:
         row["error"] = "no MoE layer reported the megakernel"
     row["elapsed_s"] = round(time.monotonic() - t0, 1)
     return row
+
+
+def _serve_levels(srv: VLLMServer, name: str, args, model: Path, row: dict, trace_dir: Path | None) -> None:
+    """Greedy ids, the throughput levels, the /metrics scrape, then the profiled waves (into ``row``)."""
+    rng = random.Random(1234)
+    prompts = [
+        [rng.randrange(4, args.vocab) for _ in range(args.check_len)] for _ in range(args.check_prompts)
+    ]
+    row["check_prompts"] = prompts
+    row["greedy_token_ids"] = greedy_ids(srv, prompts, args.check_tokens)
+    row["throughput"] = []
+    work = args.out / f"bench-{name}"
+    work.mkdir(parents=True, exist_ok=True)
+    for c in args.concurrency:
+        tp = measure_level(srv, model, c, args, work)
+        row["throughput"].append(tp)
+        print(
+            f"  c={c:4d}: {tp['output_tok_per_s']:8.0f} out tok/s (range {tp['spread']['output_tok_per_s'][0]:.0f}-"
+            f"{tp['spread']['output_tok_per_s'][1]:.0f}), TPOT p50 {tp['tpot_median_ms']:6.2f} p99 "
+            f"{tp['tpot_p99_ms']:6.2f} ms, TTFT p50 {tp['ttft_median_ms']:7.1f} p99 {tp['ttft_p99_ms']:7.1f} ms, "
+            f"{tp['ok']} requests",
+            flush=True,
+        )
+    # The plugin's Prometheus series as an operator scrapes them from vLLM's /metrics.
+    row["metrics_scrape"] = [m for m in srv.get("/metrics").splitlines() if m.startswith("flashmoe_")][:60]
+    # Profiled waves last: the throughput levels and the scrape above ran with the profiler idle.
+    if trace_dir is not None:
+        row["profile"] = {}
+        keep = args.keep_traces / name if args.keep_traces else None
+        for c in args.profile_levels:
+            try:
+                p = profile_level(srv, model, c, args, trace_dir, workers=args.gpus, keep=keep)
+            except Exception as e:  # noqa: BLE001 - recorded; the other levels still run
+                p = {"concurrency": c, "error": f"{type(e).__name__}: {e}"[-2000:]}
+            row["profile"][str(c)] = p
+            print(f"  profile c={c:4d}: {profile_line(p)}", flush=True)
+
+
+def profile_line(level: dict) -> str:
+    m = level.get("mean", {})
+    if not m.get("workers"):
+        return (level.get("error") or m.get("note") or "no summary")[-600:]
+    cats = m["categories_ms"]
+    return (
+        f"{m['workers']} workers, {m['steps']}+ decode steps, step {m['step_ms']:.3f} ms, busy {m['busy_ms']:.3f}, "
+        f"moe {cats['moe']:.3f}, comm {cats['comm']:.3f}, attention {cats['attention']:.3f} ms"
+        + (f"; {level['error']}" if level.get("error") else "")
+    )
 
 
 def main() -> int:
@@ -414,6 +607,25 @@ def main() -> int:
         default=560.0,
         help="a run's time: startup ~150-200 s, then 2 x (64 prompts at c=1 ~115 s, ~15-30 s per other level)",
     )
+    ap.add_argument(
+        "--profile-levels",
+        default="",
+        help="concurrencies to profile after the throughput levels (comma list; empty: no profiler): "
+        "one wave of c requests each under vLLM's torch profiler, summarised into the run JSON's 'profile'",
+    )
+    ap.add_argument("--profile-output-len", type=int, default=64, help="tokens out per profiled request")
+    ap.add_argument(
+        "--profile-wait-s",
+        type=float,
+        default=180.0,
+        help="bound on one profiled level: its wave, /stop_profile and waiting for every worker's trace",
+    )
+    ap.add_argument(
+        "--keep-traces",
+        type=Path,
+        default=None,
+        help="move the raw traces here (<run>/c<level>/) instead of deleting them; keep it out of --out",
+    )
     ap.add_argument("--commit", default=None)
     args = ap.parse_args()
     choice = MODELS[args.model]
@@ -421,7 +633,13 @@ def main() -> int:
     args.num_layers = args.num_layers or choice.num_layers
     args.vocab = args.vocab or choice.vocab
     args.attention_backend = args.attention_backend or choice.attention_backend
-    args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    for flag in ("concurrency", "profile_levels"):
+        try:
+            setattr(args, flag, parse_levels(getattr(args, flag)))
+        except ValueError as e:
+            ap.error(f"--{flag.replace('_', '-')}: {e}")
+    if args.profile_output_len < 2:
+        ap.error("--profile-output-len must be at least 2 (a decode step needs a token after the first)")
     args.out.mkdir(parents=True, exist_ok=True)
     t_start = time.monotonic()
 
@@ -452,6 +670,13 @@ def main() -> int:
         "method": f"vllm bench serve (random dataset, ignore_eos, request rate inf, --max-concurrency c, "
         f"max(4c, {args.min_prompts}) prompts), {args.repeats} repeats per level with different prompts",
     }
+    if args.profile_levels:
+        meta["profile_method"] = (
+            f"after the throughput levels, per profiled level c: POST /start_profile, one wave of c requests "
+            f"({args.input_len} in, {args.profile_output_len} out), POST /stop_profile; every worker's torch "
+            "profiler trace summarised by benchmarks/moe_bench/step_profile.py (decode steps between full "
+            "CUDA-graph replays), traces deleted"
+        )
     for name in args.runs.split(","):
         left = (args.deadline_s or 1e9) - (time.monotonic() - t_start)
         if left < args.run_estimate_s:

@@ -6,7 +6,9 @@
 Reads runs of both kinds: one wave per concurrency (before `vllm bench serve`) and `vllm bench
 serve` levels (repeats, their spread, p99). Writes the merged JSON (every run, plus the comparisons),
 a PNG beside it (output tokens/s and time per output token against concurrency, one line per run)
-and, with ``--readme``, the README section between the vllm-serve markers.
+and, with ``--readme``, the README section between the vllm-serve markers. Runs made with
+``--profile-levels`` add one table per profiled level to the section: where a decode step's GPU time
+goes (``moe_bench/step_profile.py``).
 """
 
 from __future__ import annotations
@@ -147,6 +149,7 @@ def markdown(doc: dict, png: Path, readme: Path) -> str:
             "\nflashmoe DP4+EP over vLLM's default DP4+EP path, output tokens/s (in brackets: decode tokens/s, "
             f"concurrency / median TPOT; target ≥ 1.3× output tokens/s at c=64 and c=256): {cells}."
         )
+    lines += profile_tables(runs, doc.get("profile_method"))
     lines.append(END)
     return "\n".join(lines)
 
@@ -179,6 +182,58 @@ def latency_tails(runs: dict[str, dict], concurrencies: list[int]) -> list[str]:
     return lines
 
 
+PROFILE_COLUMNS = (
+    "run", "steps × workers", "step ms", "GPU busy ms", "idle ms", "moe ms", "routing ms", "comm ms", "attention ms",
+    "gemm ms", "other ms", "gap before / after MoE µs", "gap elsewhere µs",
+)  # fmt: skip
+
+
+def profile_tables(runs: dict[str, dict], method: str | None) -> list[str]:
+    """One table per profiled level (runs that carry ``profile``, from ``vllm_serve_gpu.py
+    --profile-levels``): per decode step, the mean over the workers with decode steps."""
+    levels = sorted({int(c) for r in runs.values() for c in r.get("profile", {})})
+    if not levels:
+        return []
+    lines = [
+        "\nDecode step under vLLM's torch profiler (per decode step, mean over the workers that had decode "
+        "steps; busy = union of GPU kernel intervals, split by kernel name into moe / routing / comm / "
+        "attention / gemm / other; gaps = kernel start minus the previous kernel's end"
+        + (f"; {method}" if method else "")
+        + "):"
+    ]
+    for c in levels:
+        lines += [
+            f"\nc={c}:\n",
+            "| " + " | ".join(PROFILE_COLUMNS) + " |",
+            "| --- | " + " | ".join("---:" for _ in PROFILE_COLUMNS[1:]) + " |",
+        ]
+        for name, run in runs.items():
+            level = run.get("profile", {}).get(str(c))
+            if level is None:
+                continue
+            m = level.get("mean", {})
+            if not m.get("workers"):
+                why = level.get("error") or m.get("note") or "no summary"
+                lines.append(f"| {name} | {why[:160]} |" + " |" * (len(PROFILE_COLUMNS) - 2))
+                continue
+            cats, gaps = m["categories_ms"], m["gap_mean_us"]
+            steps = f"{m['steps']} × {m['workers']}" + (
+                " (fallback: no step boundaries)" if m.get("note") else ""
+            )
+            cells = [steps] + [
+                f"{v:.3f}"
+                for v in (m["step_ms"], m["busy_ms"], m["idle_ms"])
+                + tuple(cats[k] for k in ("moe", "routing", "comm", "attention", "gemm", "other"))
+            ]
+            cells += [f"{_us(gaps['before_moe'])} / {_us(gaps['after_moe'])}", _us(gaps["other"])]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _us(v) -> str:
+    return "-" if v is None else f"{v:.1f}"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="+", type=Path, help="vllm_<run>.json files")
@@ -198,6 +253,7 @@ def main(argv=None) -> int:
             "input_len",
             "output_len",
             "method",
+            "profile_method",
         ):
             if k in d:
                 meta.setdefault(k, d[k])

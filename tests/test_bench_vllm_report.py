@@ -38,6 +38,23 @@ def _run(name, tok_s, tpot_ms, ids):
     }
 
 
+def _report(tmp_path, runs, readme=True):
+    """Write each run as vllm_serve_gpu.py does, run the report on them; (README text or None, merged doc)."""
+    files = []
+    for run in runs:
+        f = tmp_path / f"vllm_{run['run']}.json"
+        f.write_text(json.dumps(run))
+        files.append(str(f))
+    out, text = tmp_path / "serve.json", None
+    if readme:
+        (tmp_path / "README.md").write_text("x\n")
+        assert report.main([*files, "--json", str(out), "--readme", str(tmp_path / "README.md")]) == 0
+        text = (tmp_path / "README.md").read_text()
+    else:
+        assert report.main([*files, "--json", str(out)]) == 0
+    return text, json.loads(out.read_text())
+
+
 def test_report_merges_compares_plots_and_writes_the_readme_section(tmp_path):
     ids = [[1, 2, 3], [4, 5, 6]]
     files = []
@@ -79,16 +96,7 @@ def test_report_reads_vllm_bench_serve_levels_next_to_older_runs(tmp_path):
             ttft_p99_ms=300.0,
             spread={"output_tok_per_s": [t["output_tok_per_s"] * 0.9, t["output_tok_per_s"] * 1.1]},
         )
-    files = []
-    for run in (old, new):
-        f = tmp_path / f"vllm_{run['run']}.json"
-        f.write_text(json.dumps(run))
-        files.append(str(f))
-    readme = tmp_path / "README.md"
-    readme.write_text("x\n")
-    out = tmp_path / "serve.json"
-    assert report.main([*files, "--json", str(out), "--readme", str(readme)]) == 0
-    text = readme.read_text()
+    text, _ = _report(tmp_path, (old, new))
     assert "TPOT p99 ms · TTFT median / p99 ms" in text
     assert "| flashmoe_dp4_ep | 117–143 · 14.0 · 90 / 300 | 7488–9152 · 14.0 · 90 / 300 |" in text
     assert "| vllm_dp4_ep |" in text.split("TPOT p99")[0]  # the older run is in the main table only
@@ -98,16 +106,42 @@ def test_report_reads_vllm_bench_serve_levels_next_to_older_runs(tmp_path):
 def test_report_names_each_runs_method_when_they_differ(tmp_path):
     a, b = _run("flashmoe_dp4_ep", 130.0, 10.0, [[1]]), _run("vllm_dp4_ep", 100.0, 20.0, [[1]])
     a["method"], b["method"] = "bench, 2 repeats per level", "bench, 1 repeats per level"
-    files = []
-    for run in (a, b):
-        f = tmp_path / f"vllm_{run['run']}.json"
-        f.write_text(json.dumps(run))
-        files.append(str(f))
-    out = tmp_path / "serve.json"
-    assert report.main([*files, "--json", str(out)]) == 0
-    doc = json.loads(out.read_text())
+    _, doc = _report(tmp_path, (a, b), readme=False)
     assert (
         doc["method"]
         == "flashmoe_dp4_ep: bench, 2 repeats per level; vllm_dp4_ep: bench, 1 repeats per level"
     )
     assert doc["runs"]["vllm_dp4_ep"]["method"] == "bench, 1 repeats per level"
+
+
+def _profile_level(step_ms, moe_ms, before_us):
+    """A profiled level as vllm_serve_gpu.profile_level writes it (the README reads only 'mean')."""
+    cats = {"moe": moe_ms, "routing": 0.01, "comm": 0.2, "attention": 0.5, "gemm": 1.5, "other": 0.9}
+    gaps = {
+        "before_moe": before_us,
+        "after_moe": 2.0,
+        "inside_moe": None,
+        "step_boundary": 80.0,
+        "other": 1.25,
+    }
+    mean = {"workers": 4, "steps": 62, "step_ms": step_ms, "busy_ms": sum(cats.values()), "idle_ms": 0.4}
+    return {"concurrency": 1, "mean": {**mean, "categories_ms": cats, "gap_mean_us": gaps}}
+
+
+def test_report_adds_a_decode_step_table_per_profiled_level(tmp_path):
+    a, b = _run("flashmoe_dp4_ep", 130.0, 10.0, [[1]]), _run("vllm_dp4_ep", 100.0, 20.0, [[1]])
+    a["profile"] = {"1": _profile_level(6.3, 3.1, 7.5), "64": {"concurrency": 64, "error": "TimeoutError: x"}}
+    b["profile"] = {"1": _profile_level(6.0, 4.8, 2.0)}
+    a["profile_method"] = "one wave of c requests"
+    text, doc = _report(tmp_path, (a, b))
+    assert "; one wave of c requests):" in text and "\nc=1:\n" in text and "\nc=64:\n" in text
+    c1 = text.split("\nc=1:\n")[1].split("\nc=64:\n")[0]
+    assert "| run | steps × workers | step ms | GPU busy ms | idle ms | moe ms |" in c1
+    assert (
+        "| flashmoe_dp4_ep | 62 × 4 | 6.300 | 6.210 | 0.400 | 3.100 | 0.010 | 0.200 | 0.500 | 1.500 | 0.900 | 7.5 / 2.0 | 1.2 |"
+        in c1
+    )
+    assert "| vllm_dp4_ep | 62 × 4 | 6.000 | 7.910 |" in c1
+    c64 = text.split("\nc=64:\n")[1]
+    assert "| flashmoe_dp4_ep | TimeoutError: x |" in c64 and "vllm_dp4_ep" not in c64  # not profiled at 64
+    assert doc["runs"]["flashmoe_dp4_ep"]["profile"]["1"]["mean"]["steps"] == 62

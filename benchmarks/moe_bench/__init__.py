@@ -11,4 +11,5 @@ results       the JSON document: run metadata, rows, schema check, atomic write
 check         the correctness gate every variant passes before it is timed
 ranks         cross-rank agreement (barriers, shared decisions, gathered numbers)
 table         the printed table and the README markdown
+step_profile  where a served decode step's GPU time goes, from vLLM's torch-profiler traces (vllm_serve_gpu.py)
 """
