@@ -106,3 +106,84 @@ def test_strict_refuses_cpu_reference(plugins_loaded, tiny_model, monkeypatch):
 def test_other_backends_untouched(plugins_loaded, tiny_model):
     cfg = _engine_config(tiny_model)
     assert cfg.kernel_config.moe_backend == "auto"
+
+
+@pytest.fixture
+def flashmoe_log(caplog):
+    """The adapter's log lines (vLLM's loggers do not propagate to the root, so attach caplog directly)."""
+    import logging
+
+    logger = logging.getLogger("vllm.flashmoe")
+    logger.addHandler(caplog.handler)
+    yield caplog
+    logger.removeHandler(caplog.handler)
+
+
+def _fallback_count(reason: str) -> float:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value("flashmoe_fallback_total", {"reason": reason}) or 0.0
+
+
+FORCED_LINE = "flashmoe: flashmoe declines the MoE layers (FLASHMOE_BACKEND=fallback); using "
+
+
+def test_forced_fallback_takes_the_decline_path(plugins_loaded, tiny_model, flashmoe_log, monkeypatch):
+    """FLASHMOE_BACKEND=fallback: vLLM's own path where flashmoe would serve (CPU: its reference), with the
+    one log line and the fallback metric of a real decline; deep_ep does not import here, so the default path."""
+    from flashmoe.errors import FlashMoEUnsupported
+
+    monkeypatch.delenv("FLASHMOE_STRICT", raising=False)
+    monkeypatch.setenv("FLASHMOE_BACKEND", "fallback")
+    before = _fallback_count("FLASHMOE_BACKEND=fallback")
+    cfg = _engine_config(
+        tiny_model, moe_backend="flashmoe", tensor_parallel_size=2, enable_expert_parallel=True
+    )
+    assert cfg.kernel_config.moe_backend == "auto"
+    assert cfg.parallel_config.all2all_backend == "allgather_reducescatter"
+    lines = [r.getMessage() for r in flashmoe_log.records if "declines" in r.getMessage()]
+    assert lines == [
+        FORCED_LINE + "vLLM's default MoE path (all2all_backend=allgather_reducescatter, moe_backend=auto)"
+    ]
+    assert _fallback_count("FLASHMOE_BACKEND=fallback") == before + 1
+
+    monkeypatch.setenv("FLASHMOE_STRICT", "1")
+    with pytest.raises(
+        FlashMoEUnsupported,
+        match="FLASHMOE_STRICT=1 and flashmoe declines the MoE layers: FLASHMOE_BACKEND=fallback",
+    ):
+        _engine_config(
+            tiny_model, moe_backend="flashmoe", tensor_parallel_size=2, enable_expert_parallel=True
+        )
+
+
+def test_forced_fallback_picks_deepep_when_it_imports(plugins_loaded, tiny_model, flashmoe_log, monkeypatch):
+    """The DeepEP tier (what the 4xH200 run exercises): chosen when deep_ep imports and the user left
+    --all2all-backend at its default; an explicit all2all backend is kept."""
+    import sys
+    import types
+
+    from flashmoe.integration.vllm.engine_config import resolve
+
+    monkeypatch.delenv("FLASHMOE_STRICT", raising=False)
+    cfg = _engine_config(
+        tiny_model, moe_backend="flashmoe", tensor_parallel_size=2, enable_expert_parallel=True
+    )
+    assert resolve(cfg) is None  # CPU: flashmoe's reference serves
+    monkeypatch.setitem(sys.modules, "deep_ep", types.ModuleType("deep_ep"))  # a stand-in that imports
+    monkeypatch.setenv("FLASHMOE_BACKEND", "fallback")
+    fallback = resolve(cfg)
+    assert (fallback.reason, fallback.all2all_backend) == (
+        "FLASHMOE_BACKEND=fallback",
+        "deepep_high_throughput",
+    )
+    assert flashmoe_log.records[-1].getMessage() == FORCED_LINE + (
+        "vLLM's DeepEP path (all2all_backend=deepep_high_throughput, moe_backend=auto)"
+    )
+    cfg.parallel_config.all2all_backend = "naive"
+    assert resolve(cfg).all2all_backend is None
+    assert (
+        flashmoe_log.records[-1]
+        .getMessage()
+        .endswith("default MoE path (all2all_backend=naive, moe_backend=auto)")
+    )
