@@ -108,17 +108,6 @@ def test_other_backends_untouched(plugins_loaded, tiny_model):
     assert cfg.kernel_config.moe_backend == "auto"
 
 
-@pytest.fixture
-def flashmoe_log(caplog):
-    """The adapter's log lines (vLLM's loggers do not propagate to the root, so attach caplog directly)."""
-    import logging
-
-    logger = logging.getLogger("vllm.flashmoe")
-    logger.addHandler(caplog.handler)
-    yield caplog
-    logger.removeHandler(caplog.handler)
-
-
 def _fallback_count(reason: str) -> float:
     from prometheus_client import REGISTRY
 
@@ -141,8 +130,7 @@ def test_forced_fallback_takes_the_decline_path(plugins_loaded, tiny_model, flas
     )
     assert cfg.kernel_config.moe_backend == "auto"
     assert cfg.parallel_config.all2all_backend == "allgather_reducescatter"
-    lines = [r.getMessage() for r in flashmoe_log.records if "declines" in r.getMessage()]
-    assert lines == [
+    assert [line for line in flashmoe_log if "declines" in line] == [
         FORCED_LINE + "vLLM's default MoE path (all2all_backend=allgather_reducescatter, moe_backend=auto)"
     ]
     assert _fallback_count("FLASHMOE_BACKEND=fallback") == before + 1
@@ -158,32 +146,26 @@ def test_forced_fallback_takes_the_decline_path(plugins_loaded, tiny_model, flas
 
 
 def test_forced_fallback_picks_deepep_when_it_imports(plugins_loaded, tiny_model, flashmoe_log, monkeypatch):
-    """The DeepEP tier (what the 4xH200 run exercises): chosen when deep_ep imports and the user left
-    --all2all-backend at its default; an explicit all2all backend is kept."""
+    """The DeepEP tier (what the 4xH200 run exercises): the engine config is rebuilt with vLLM's
+    deepep_high_throughput when deep_ep imports and --all2all-backend was left at its default; an
+    explicit all2all backend is kept."""
     import sys
     import types
 
-    from flashmoe.integration.vllm.engine_config import resolve
-
     monkeypatch.delenv("FLASHMOE_STRICT", raising=False)
-    cfg = _engine_config(
-        tiny_model, moe_backend="flashmoe", tensor_parallel_size=2, enable_expert_parallel=True
-    )
-    assert resolve(cfg) is None  # CPU: flashmoe's reference serves
-    monkeypatch.setitem(sys.modules, "deep_ep", types.ModuleType("deep_ep"))  # a stand-in that imports
     monkeypatch.setenv("FLASHMOE_BACKEND", "fallback")
-    fallback = resolve(cfg)
-    assert (fallback.reason, fallback.all2all_backend) == (
-        "FLASHMOE_BACKEND=fallback",
+    monkeypatch.setitem(sys.modules, "deep_ep", types.ModuleType("deep_ep"))  # a stand-in that imports
+    dp2 = dict(moe_backend="flashmoe", data_parallel_size=2, enable_expert_parallel=True)
+    cfg = _engine_config(tiny_model, **dp2)
+    assert (cfg.kernel_config.moe_backend, cfg.parallel_config.all2all_backend) == (
+        "auto",
         "deepep_high_throughput",
     )
-    assert flashmoe_log.records[-1].getMessage() == FORCED_LINE + (
+    assert flashmoe_log[-1] == FORCED_LINE + (
         "vLLM's DeepEP path (all2all_backend=deepep_high_throughput, moe_backend=auto)"
     )
-    cfg.parallel_config.all2all_backend = "naive"
-    assert resolve(cfg).all2all_backend is None
-    assert (
-        flashmoe_log.records[-1]
-        .getMessage()
-        .endswith("default MoE path (all2all_backend=naive, moe_backend=auto)")
+    cfg = _engine_config(tiny_model, all2all_backend="deepep_low_latency", **dp2)
+    assert cfg.parallel_config.all2all_backend == "deepep_low_latency"
+    assert flashmoe_log[-1] == FORCED_LINE + (
+        "vLLM's default MoE path (all2all_backend=deepep_low_latency, moe_backend=auto)"
     )
