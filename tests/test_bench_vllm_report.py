@@ -38,16 +38,23 @@ def _run(name, tok_s, tpot_ms, ids):
     }
 
 
-def test_report_merges_compares_plots_and_writes_the_readme_section(tmp_path):
-    ids = [[1, 2, 3], [4, 5, 6]]
+def _write_runs(tmp_path, *runs) -> list[str]:
+    """Each run as the vllm_<run>.json file vllm_serve_gpu.py writes; their paths."""
     files = []
-    for run in (
-        _run("vllm_dp4_ep", 100.0, 20.0, ids),
-        _run("flashmoe_dp4_ep", 150.0, 10.0, [[1, 2, 3], [4, 0, 6]]),
-    ):
+    for run in runs:
         f = tmp_path / f"vllm_{run['run']}.json"
         f.write_text(json.dumps(run))
         files.append(str(f))
+    return files
+
+
+def test_report_merges_compares_plots_and_writes_the_readme_section(tmp_path):
+    ids = [[1, 2, 3], [4, 5, 6]]
+    files = _write_runs(
+        tmp_path,
+        _run("vllm_dp4_ep", 100.0, 20.0, ids),
+        _run("flashmoe_dp4_ep", 150.0, 10.0, [[1, 2, 3], [4, 0, 6]]),
+    )
     readme = tmp_path / "README.md"
     readme.write_text("# bench\n\nintro\n")
     out = tmp_path / "results" / "serve.json"
@@ -79,11 +86,7 @@ def test_report_reads_vllm_bench_serve_levels_next_to_older_runs(tmp_path):
             ttft_p99_ms=300.0,
             spread={"output_tok_per_s": [t["output_tok_per_s"] * 0.9, t["output_tok_per_s"] * 1.1]},
         )
-    files = []
-    for run in (old, new):
-        f = tmp_path / f"vllm_{run['run']}.json"
-        f.write_text(json.dumps(run))
-        files.append(str(f))
+    files = _write_runs(tmp_path, old, new)
     readme = tmp_path / "README.md"
     readme.write_text("x\n")
     out = tmp_path / "serve.json"
@@ -98,11 +101,7 @@ def test_report_reads_vllm_bench_serve_levels_next_to_older_runs(tmp_path):
 def test_report_names_each_runs_method_when_they_differ(tmp_path):
     a, b = _run("flashmoe_dp4_ep", 130.0, 10.0, [[1]]), _run("vllm_dp4_ep", 100.0, 20.0, [[1]])
     a["method"], b["method"] = "bench, 2 repeats per level", "bench, 1 repeats per level"
-    files = []
-    for run in (a, b):
-        f = tmp_path / f"vllm_{run['run']}.json"
-        f.write_text(json.dumps(run))
-        files.append(str(f))
+    files = _write_runs(tmp_path, a, b)
     out = tmp_path / "serve.json"
     assert report.main([*files, "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
@@ -111,3 +110,46 @@ def test_report_names_each_runs_method_when_they_differ(tmp_path):
         == "flashmoe_dp4_ep: bench, 2 repeats per level; vllm_dp4_ep: bench, 1 repeats per level"
     )
     assert doc["runs"]["vllm_dp4_ep"]["method"] == "bench, 1 repeats per level"
+
+
+def test_report_shows_the_deepep_runs_beside_the_default_path(tmp_path):
+    ids = [[1, 2, 3], [4, 5, 6]]
+    fallback = _run("flashmoe_dp4_ep_fallback", 80.0, 30.0, [[1, 2, 3], [4, 5, 7]])
+    fallback["fallback_log_line"] = (
+        "(APIServer pid=7) WARNING 11-22 [engine_config.py:165] flashmoe: flashmoe declines the MoE layers "
+        "(FLASHMOE_BACKEND=fallback); using vLLM's DeepEP path (all2all_backend=deepep_high_throughput, "
+        "moe_backend=auto)"
+    )
+    fallback["fallback_total"] = 1.0
+    fallback["log"] = [
+        "(APIServer pid=7) INFO [compilation.py:1233] DeepEP: Disabling CUDA Graphs since DeepEP high-throughput "
+        "kernels are optimized for prefill and are incompatible with CUDA Graphs."
+    ]
+    files = _write_runs(
+        tmp_path,
+        fallback,
+        _run("vllm_dp4_ep_deepep_ll", 110.0, 18.0, ids),
+        _run("vllm_dp4_ep", 100.0, 20.0, ids),
+    )
+    readme = tmp_path / "README.md"
+    readme.write_text("x\n")
+    out = tmp_path / "serve.json"
+    assert report.main([*files, "--json", str(out), "--readme", str(readme)]) == 0
+    doc = json.loads(out.read_text())
+    assert list(doc["runs"]) == ["vllm_dp4_ep", "vllm_dp4_ep_deepep_ll", "flashmoe_dp4_ep_fallback"]
+    pairs = doc["comparison"]["token_ids"]
+    assert pairs["vllm_dp4_ep_deepep_ll vs vllm_dp4_ep"]["identical"] == 2
+    assert pairs["flashmoe_dp4_ep_fallback vs vllm_dp4_ep"]["first_difference_at"] == [None, 2]
+    text = readme.read_text()
+    assert "| vllm_dp4_ep_deepep_ll | 100.0 | 110 · 18.0 | 7040 · 18.0 |" in text
+    assert (
+        "vLLM's DP4+EP path with DeepEP low-latency over vLLM's default DP4+EP path, output tokens/s: "
+        in text
+    )
+    assert "c=1: 1.10×, c=64: 1.10×." in text
+    assert "c=1: 0.80×, c=64: 0.80× (vLLM ran this one without CUDA graphs" in text
+    assert (
+        "flashmoe_dp4_ep_fallback: the server logged `flashmoe: flashmoe declines the MoE layers "
+        "(FLASHMOE_BACKEND=fallback); using vLLM's DeepEP path" in text
+    )
+    assert "flashmoe_fallback_total counted 1." in text
