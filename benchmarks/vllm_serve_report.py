@@ -146,6 +146,7 @@ def markdown(doc: dict, png: Path, readme: Path) -> str:
         lines.append(
             f"- {pair}: {a['identical']}/{a['prompts']} prompts identical over {a['tokens_per_prompt']} tokens{where}"
         )
+    lines += other_ratios(runs, cmp_)
     ratios = cmp_.get("throughput_vs_" + BASELINE, {}).get("flashmoe_dp4_ep")
     if ratios:
         cells = ", ".join(
@@ -156,7 +157,6 @@ def markdown(doc: dict, png: Path, readme: Path) -> str:
             "\nflashmoe DP4+EP over vLLM's default DP4+EP path, output tokens/s (in brackets: decode tokens/s, "
             f"concurrency / median TPOT; target ≥ 1.3× output tokens/s at c=64 and c=256): {cells}."
         )
-    lines += other_ratios(runs, cmp_)
     lines.append(END)
     return "\n".join(lines)
 
