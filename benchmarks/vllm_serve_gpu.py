@@ -160,12 +160,14 @@ def ensure_vllm(bundle: Path, site: Path) -> None:
 
 
 def nvshmem_lib_dir() -> str | None:
-    """The pip NVSHMEM's lib folder (nvidia-nvshmem-cu13, torch's dependency), or None."""
-    try:
-        import nvidia.nvshmem as pkg
-    except ImportError:
-        return None
-    return next((os.path.join(p, "lib") for p in pkg.__path__ if os.path.isdir(os.path.join(p, "lib"))), None)
+    """The folder of the pip NVSHMEM's ``libnvshmem_host.so.3`` (nvidia-nvshmem-cu13, torch's dependency)
+    on this process's path, or None. Searched per path entry, as torch preloads its CUDA libraries: an
+    ``nvidia`` package in the bundle must not hide the one next to torch."""
+    for root in sys.path:
+        lib = os.path.join(root or ".", "nvidia", "nvshmem", "lib")
+        if os.path.isfile(os.path.join(lib, "libnvshmem_host.so.3")):
+            return lib
+    return None
 
 
 def ensure_deep_ep(wheel: Path | None, site: Path, timeout: float = 300.0) -> str | None:

@@ -7,6 +7,7 @@ The runs themselves need 4 Hopper GPUs (benchmarks/README.md, vLLM serving)."""
 
 from __future__ import annotations
 
+import os
 import sys
 import types
 import zipfile
@@ -108,6 +109,25 @@ def test_ensure_deep_ep_installs_the_wheel_once_and_checks_the_import(tmp_path, 
     assert serve.ensure_deep_ep(newer, site) is None  # replaces the other version, metadata included
     assert "deep_ep 10.0 " in capsys.readouterr().out
     assert [p.name for p in site.glob("deep_ep-*.dist-info")] == ["deep_ep-10.0.dist-info"]
+
+
+def test_nvshmem_lib_goes_on_the_servers_library_path(tmp_path, monkeypatch):
+    """Found per sys.path entry, past a regular ``nvidia`` package without NVSHMEM (as a bundle may hold)."""
+    (tmp_path / "bundle" / "nvidia").mkdir(parents=True)
+    (tmp_path / "bundle" / "nvidia" / "__init__.py").write_text("")
+    lib = tmp_path / "system" / "nvidia" / "nvshmem" / "lib"
+    lib.mkdir(parents=True)
+    (lib / "libnvshmem_host.so.3").write_bytes(b"")
+    monkeypatch.setattr(sys, "path", [str(tmp_path / "bundle"), str(tmp_path / "system"), *sys.path])
+    assert serve.nvshmem_lib_dir() == str(lib)
+    site = tmp_path / "site"
+    site.mkdir()
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    monkeypatch.setenv("LD_LIBRARY_PATH", "/opt/other")
+    wheel = _wheel(tmp_path / "deep_ep-9.9.9-cp312-cp312-linux_x86_64.whl", "")
+    assert serve.ensure_deep_ep(wheel, site) is None
+    assert serve.ensure_deep_ep(wheel, site) is None
+    assert os.environ["LD_LIBRARY_PATH"] == f"{lib}:/opt/other"  # once, in front
 
 
 def test_ensure_deep_ep_says_why_it_does_not_import(tmp_path, monkeypatch):
