@@ -13,6 +13,16 @@ Runs (``--runs``, in order; each starts ``vllm.entrypoints.openai.api_server`` o
     vllm_dp4_ep       DP4 + EP4, vLLM's default MoE path (moe_backend auto, its default all2all backend)
     vllm_tp4_ep       TP4 + EP4, vLLM's default MoE path
     vllm_tp4          TP4 without EP (experts tensor-parallel), vLLM's default MoE path
+    vllm_dp4_ep_deepep_ll     DP4 + EP4, vLLM's default MoE with --all2all-backend deepep_low_latency (needs
+                              deep_ep: --deepep-wheel)
+    flashmoe_dp4_ep_fallback  DP4 + EP4, --moe-backend flashmoe with FLASHMOE_BACKEND=fallback: the adapter
+                              declines and vLLM's DeepEP tier serves (deepep_high_throughput, needs deep_ep;
+                              vLLM 0.26 runs it without CUDA graphs); the run fails unless the server logged
+                              the decline line and counted it in flashmoe_fallback_total
+
+``--deepep-wheel``: the deep_ep wheel of ``scripts/build-deepep.sh`` (carried as ``.carry/deepep/``), unzipped
+into ``--site`` once; ``NVSHMEM``'s host library is put on the servers' ``LD_LIBRARY_PATH`` (the wheel's RUNPATH
+points at a build-time path), and the runs that need deep_ep fail with the import error if it does not load.
 
 Models (``--model``, :data:`MODELS`): ``qwen3-30b-a3b`` (``flashmoe.demo.tiny_model.make_qwen3_30b_a3b_shaped``,
 every layer sparse) and ``deepseek-v2-lite`` (``flashmoe.demo.deepseek_model.make_deepseek_v2_lite_shaped``:
@@ -95,7 +105,29 @@ RUNS = {  # name: (parallel arguments, --moe-backend or None for vLLM's own)
     "vllm_dp4_ep": (["--data-parallel-size", "{n}", "--enable-expert-parallel"], None),
     "vllm_tp4_ep": (["--tensor-parallel-size", "{n}", "--enable-expert-parallel"], None),
     "vllm_tp4": (["--tensor-parallel-size", "{n}"], None),
+    # vLLM 0.26 caps max_num_batched_tokens at 256 for DeepEP LL with DP (its batched-DP default; the LL
+    # buffer is sized for it) and keeps CUDA graphs on; DeepEP sets its own NVSHMEM variables.
+    "vllm_dp4_ep_deepep_ll": (
+        [
+            "--data-parallel-size",
+            "{n}",
+            "--enable-expert-parallel",
+            "--all2all-backend",
+            "deepep_low_latency",
+        ],
+        None,
+    ),
+    # The adapter picks deepep_high_throughput; with DP > 1 vLLM 0.26 then turns CUDA graphs off.
+    "flashmoe_dp4_ep_fallback": (["--data-parallel-size", "{n}", "--enable-expert-parallel"], "flashmoe"),
 }
+DEEPEP_RUNS = ("vllm_dp4_ep_deepep_ll", "flashmoe_dp4_ep_fallback")  # need deep_ep in vLLM's processes
+# Runs whose plugin is told to decline: their server env, and the line the decline must log.
+FORCED_FALLBACK_ENV = {"flashmoe_dp4_ep_fallback": {"FLASHMOE_BACKEND": "fallback", "FLASHMOE_STRICT": "0"}}
+FORCED_FALLBACK_REASON = "FLASHMOE_BACKEND=fallback"
+FORCED_FALLBACK_DECLINE = f"flashmoe: flashmoe declines the MoE layers ({FORCED_FALLBACK_REASON}); using "
+FORCED_FALLBACK_LINE = (
+    FORCED_FALLBACK_DECLINE + "vLLM's DeepEP path (all2all_backend=deepep_high_throughput, moe_backend=auto)"
+)
 # The multi-GPU machines have NVLink multicast off: vLLM's symmetric-memory all-reduce and its
 # FlashInfer all-reduce+RMSNorm fusion would try it (gpu-wheelhouse header); FA2 is not bundled.
 ENV = {
@@ -140,6 +172,98 @@ def ensure_vllm(bundle: Path, site: Path) -> None:
             ],
             check=True,
         )
+
+
+def nvshmem_lib_dir() -> str | None:
+    """The folder of the pip NVSHMEM's ``libnvshmem_host.so.3`` (nvidia-nvshmem-cu13, torch's dependency)
+    on this process's path, or None. Searched per path entry, as torch preloads its CUDA libraries: an
+    ``nvidia`` package in the bundle must not hide the one next to torch."""
+    for root in sys.path:
+        lib = os.path.join(root or ".", "nvidia", "nvshmem", "lib")
+        if os.path.isfile(os.path.join(lib, "libnvshmem_host.so.3")):
+            return lib
+    return None
+
+
+def ensure_deep_ep(wheel: Path | None, site: Path, timeout: float = 300.0) -> str | None:
+    """Make deep_ep importable in the vLLM servers started from here; None if it is, else why not.
+
+    ``wheel`` is unzipped into ``site`` (what ``pip install --no-deps --target`` lays out; no network or
+    index needed) unless its dist-info is already there. deep_ep_cpp needs ``libnvshmem_host.so.3``, which
+    its RUNPATH does not find outside the build machine: NVSHMEM's lib folder goes on ``LD_LIBRARY_PATH``
+    (this process's environment, which the servers inherit). The check imports deep_ep in a child
+    process with that environment, as vLLM's API server and workers will."""
+    import shutil
+    import zipfile
+
+    if wheel is not None:
+        if not wheel.is_file():
+            return (
+                f"--deepep-wheel {wheel}: no such file (scripts/build-deepep.sh makes it in .carry/deepep/)"
+            )
+        with zipfile.ZipFile(wheel) as zf:
+            dist_info = {n.split("/")[0] for n in zf.namelist() if n.split("/")[0].endswith(".dist-info")}
+            if not all((site / d).is_dir() for d in dist_info):
+                for old in site.glob(
+                    "deep_ep-*.dist-info"
+                ):  # another version's metadata would shadow this one
+                    shutil.rmtree(old)
+                zf.extractall(site)
+                print(f"deep_ep: unzipped {wheel.name} into {site}", flush=True)
+    lib = nvshmem_lib_dir()
+    if lib and lib not in os.environ.get("LD_LIBRARY_PATH", "").split(os.pathsep):
+        os.environ["LD_LIBRARY_PATH"] = os.pathsep.join(
+            p for p in (lib, os.environ.get("LD_LIBRARY_PATH")) if p
+        )
+    code = "import importlib.metadata as m, torch, deep_ep; print(m.version('deep_ep'), deep_ep.__file__)"
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return f"import deep_ep did not finish in {timeout:.0f} s"
+    if proc.returncode:
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        source = f"--deepep-wheel {wheel}" if wheel else "no --deepep-wheel given"
+        return f"deep_ep does not import in the servers' environment ({source}; NVSHMEM lib {lib}): {last}"
+    print(f"deep_ep {proc.stdout.strip()}", flush=True)
+    return None
+
+
+def fallback_total(scrape: list[str], reason: str) -> float | None:
+    """flashmoe_fallback_total{reason} in a /metrics scrape (the flashmoe_* lines), or None if absent."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples = (s for fam in text_string_to_metric_families("\n".join(scrape) + "\n") for s in fam.samples)
+    return next(
+        (
+            s.value
+            for s in samples
+            if s.name == "flashmoe_fallback_total" and s.labels.get("reason") == reason
+        ),
+        None,
+    )
+
+
+def served_path(name: str, backend: str | None, log_text: str, scrape: list[str]) -> dict:
+    """What the server's log and /metrics say served the MoE layers, with ``error`` if that is not the
+    run's path: flashmoe runs need the megakernel; forced-fallback runs the decline line (DeepEP tier),
+    its count in flashmoe_fallback_total and no megakernel layer."""
+    facts: dict = {"megakernel_layers_reported": "-> backend megakernel" in log_text}
+    if name in FORCED_FALLBACK_ENV:
+        declines = [x for x in log_text.splitlines() if FORCED_FALLBACK_DECLINE in x]
+        line = next((x for x in declines if FORCED_FALLBACK_LINE in x), None)
+        facts["fallback_log_line"] = line[-400:] if line else None
+        facts["fallback_total"] = fallback_total(scrape, FORCED_FALLBACK_REASON)
+        if line is None:  # e.g. deep_ep did not import in the API server: vLLM's default path instead
+            facts["error"] = f"the server did not log {FORCED_FALLBACK_LINE!r}" + (
+                f"; it logged {declines[0][-300:]!r}" if declines else ""
+            )
+        elif not facts["fallback_total"]:
+            facts["error"] = f"/metrics has no flashmoe_fallback_total{{reason={FORCED_FALLBACK_REASON!r}}}"
+        elif facts["megakernel_layers_reported"]:
+            facts["error"] = "a MoE layer reported the megakernel although flashmoe declined"
+    elif backend == "flashmoe" and not facts["megakernel_layers_reported"]:
+        facts["error"] = "no MoE layer reported the megakernel"
+    return facts
 
 
 def greedy_ids(srv: VLLMServer, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -473,12 +597,16 @@ def log_lines(text: str) -> list[str]:
         "Using",
         "Error",
         "error",
+        "DeepEP",
+        "NVSHMEM",
     )
     return [line[-400:] for line in text.splitlines() if any(k in line for k in keys)][:80]
 
 
 def run_one(name: str, args, model: Path) -> dict:
     parallel, backend = RUNS[name]
+    if name in DEEPEP_RUNS and args.deep_ep_missing:
+        raise RuntimeError(f"{name} needs deep_ep: {args.deep_ep_missing}")
     parallel = [a.format(n=args.gpus) for a in parallel]
     compilation = {"cudagraph_capture_sizes": CAPTURE_SIZES, "pass_config": {"fuse_allreduce_rms": False}}
     vargs = parallel + [
@@ -502,6 +630,7 @@ def run_one(name: str, args, model: Path) -> dict:
     env = dict(ENV)
     if backend:
         env["FLASHMOE_STRICT"] = "1"  # a fallback would make the comparison meaningless
+    env.update(FORCED_FALLBACK_ENV.get(name, {}))
     log = args.out / f"vllm_{name}.log"
     server = VLLMServer(
         model, vargs, moe_backend=backend, env=env, log_path=log, startup_timeout=args.startup_timeout
@@ -518,9 +647,7 @@ def run_one(name: str, args, model: Path) -> dict:
             shutil.rmtree(trace_dir, ignore_errors=True)
     text = log.read_text(errors="replace")
     row["log"] = log_lines(text)
-    row["megakernel_layers_reported"] = "-> backend megakernel" in text
-    if backend == "flashmoe" and not row["megakernel_layers_reported"]:
-        row["error"] = "no MoE layer reported the megakernel"
+    row.update(served_path(name, backend, text, row["metrics_scrape"]))
     row["elapsed_s"] = round(time.monotonic() - t0, 1)
     return row
 
@@ -577,6 +704,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bundle", type=Path, default=Path("/tmp/wh"))
     ap.add_argument("--site", type=Path, default=Path("/tmp/site"))
+    ap.add_argument("--deepep-wheel", type=Path, default=None, help="deep_ep wheel to install into --site")
     ap.add_argument("--model", choices=list(MODELS), default="qwen3-30b-a3b")
     ap.add_argument("--model-dir", type=Path, default=None, help="default /tmp/<model>-random")
     ap.add_argument("--num-layers", type=int, default=None, help="default: the model's")
@@ -644,6 +772,11 @@ def main() -> int:
     t_start = time.monotonic()
 
     ensure_vllm(args.bundle, args.site)
+    args.deep_ep_missing = None
+    if args.deepep_wheel or any(r in DEEPEP_RUNS for r in args.runs.split(",")):
+        args.deep_ep_missing = ensure_deep_ep(args.deepep_wheel, args.site)
+        if args.deep_ep_missing:
+            print(f"deep_ep: {args.deep_ep_missing}", flush=True)
     import vllm
 
     t0 = time.monotonic()

@@ -31,7 +31,14 @@ PAIRS = (  # (a, b): greedy token ids compared; all runs load the same checkpoin
     ("flashmoe_tp4_ep", "vllm_dp4_ep"),
     ("flashmoe_tp4_ep", "flashmoe_dp4_ep"),
     ("vllm_tp4", "vllm_dp4_ep"),
+    ("flashmoe_dp4_ep_fallback", "vllm_dp4_ep"),  # the adapter's DeepEP tier against vLLM's default path
+    ("vllm_dp4_ep_deepep_ll", "vllm_dp4_ep"),
 )
+# Beside flashmoe's own ratio, the README names these runs' output tokens/s against BASELINE.
+OTHER_RATIOS = {
+    "vllm_dp4_ep_deepep_ll": "vLLM's DP4+EP path with DeepEP low-latency",
+    "flashmoe_dp4_ep_fallback": "flashmoe declining (FLASHMOE_BACKEND=fallback) to vLLM's DeepEP high-throughput tier",
+}
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
@@ -88,7 +95,9 @@ def plot(runs: dict[str, dict], path: Path, title: str) -> None:
         )
         if not pts:
             continue
-        style = dict(marker="o", linestyle="-" if name.startswith("flashmoe") else "--")
+        # solid: flashmoe serves; dotted: flashmoe declined (vLLM serves); dashed: vLLM's own runs
+        linestyle = ":" if name.endswith("_fallback") else "-" if name.startswith("flashmoe") else "--"
+        style = dict(marker="o", linestyle=linestyle)
         axes[0].plot(
             [t["concurrency"] for t in pts], [t["output_tok_per_s"] for t in pts], label=name, **style
         )
@@ -139,6 +148,7 @@ def markdown(doc: dict, png: Path, readme: Path) -> str:
         lines.append(
             f"- {pair}: {a['identical']}/{a['prompts']} prompts identical over {a['tokens_per_prompt']} tokens{where}"
         )
+    lines += other_ratios(runs, cmp_)
     ratios = cmp_.get("throughput_vs_" + BASELINE, {}).get("flashmoe_dp4_ep")
     if ratios:
         cells = ", ".join(
@@ -152,6 +162,37 @@ def markdown(doc: dict, png: Path, readme: Path) -> str:
     lines += profile_tables(runs, doc.get("profile_method"))
     lines.append(END)
     return "\n".join(lines)
+
+
+def other_ratios(runs: dict[str, dict], cmp_: dict) -> list[str]:
+    """One line per :data:`OTHER_RATIOS` run that was measured: its output tokens/s over BASELINE's, and for
+    the forced fallback what its server showed (the decline line, the fallback counter)."""
+    lines = []
+    for name, what in OTHER_RATIOS.items():
+        ratios = cmp_.get("throughput_vs_" + BASELINE, {}).get(name)
+        run = runs.get(name, {})
+        if ratios:
+            cells = ", ".join(
+                f"c={c}: {r['output_tok_per_s']:.2f}×"
+                for c, r in sorted(ratios.items(), key=lambda kv: int(kv[0]))
+            )
+            # vLLM 0.26 turns CUDA graphs off for DeepEP high-throughput with DP > 1 (config/compilation.py)
+            graphs_off = any("Disabling CUDA Graphs" in x for x in run.get("log", []))
+            lines.append(
+                f"\n{what} over vLLM's default DP4+EP path, output tokens/s: {cells}"
+                + (
+                    " (vLLM ran this one without CUDA graphs: it turns them off for DeepEP high-throughput)."
+                    if graphs_off
+                    else "."
+                )
+            )
+        if run.get("fallback_log_line"):
+            line, counted = run["fallback_log_line"], run.get("fallback_total")
+            lines.append(
+                f"\n{name}: the server logged `{line[line.find('flashmoe: ') :]}`; flashmoe_fallback_total "
+                + (f"counted {counted:g}." if counted is not None else "was not on /metrics.")
+            )
+    return lines
 
 
 def latency_tails(runs: dict[str, dict], concurrencies: list[int]) -> list[str]:
@@ -261,7 +302,15 @@ def main(argv=None) -> int:
     methods = {name: r.get("method") for name, r in runs.items() if r.get("method")}
     if len(set(methods.values())) > 1:  # e.g. fewer repeats for a run that had less device time
         meta["method"] = "; ".join(f"{name}: {m}" for name, m in methods.items())
-    order = ["flashmoe_dp4_ep", "vllm_dp4_ep", "flashmoe_tp4_ep", "vllm_tp4_ep", "vllm_tp4"]
+    order = [
+        "flashmoe_dp4_ep",
+        "vllm_dp4_ep",
+        "vllm_dp4_ep_deepep_ll",
+        "flashmoe_dp4_ep_fallback",
+        "flashmoe_tp4_ep",
+        "vllm_tp4_ep",
+        "vllm_tp4",
+    ]
     runs = dict(sorted(runs.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else 99))
     doc = {**meta, "runs": runs, "comparison": compare(runs)}
     args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -7,6 +7,7 @@ test's id), so each run sees new data and a failure is replayed with
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import zlib
@@ -41,3 +42,21 @@ def pytest_runtest_makereport(item, call):
         item.add_report_section(
             "call", "seed", f"test seed {seed_for_test(item.nodeid)} (session {SESSION_SEED})"
         )
+
+
+@pytest.fixture
+def flashmoe_log():
+    """The messages the vLLM adapter logs during the test. Its logger is a child of vLLM's, which does not
+    propagate to the root (pytest's caplog does not see them), and vLLM may re-apply its logging config
+    while it builds an engine config, which drops handlers added to its loggers but keeps their filters:
+    a filter collects them."""
+    lines: list[str] = []
+
+    def collect(record: logging.LogRecord) -> bool:
+        lines.append(record.getMessage())
+        return True
+
+    logger = logging.getLogger("vllm.flashmoe")
+    logger.addFilter(collect)
+    yield lines
+    logger.removeFilter(collect)

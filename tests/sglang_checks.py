@@ -118,9 +118,33 @@ def check_config(model_dir: str, fp8_model_dir: str | None = None) -> dict:
     out["strict_cuda_error"] = _error(lambda: resolve(device="cuda", tp_size=2, attn_dp_size=2))
     del os.environ["FLASHMOE_STRICT"]
     out["unrelated_untouched"] = resolve(device="cpu", tp_size=2, attn_dp_size=2, moe_runner_backend="auto")
+    out.update(_check_forced_fallback(resolve))
     if fp8_model_dir is not None:
         out.update(_check_fp8_config(fp8_model_dir, resolve))
     out["prometheus_end"] = "prometheus_client" in sys.modules
+    return out
+
+
+def _check_forced_fallback(resolve) -> dict:
+    """FLASHMOE_BACKEND=fallback on CPU (where flashmoe's reference would serve): SGLang's own path, the
+    decline's log line and its hand-over to the schedulers' metric; with FLASHMOE_STRICT=1 an error."""
+    from flashmoe import config
+    from flashmoe.integration.sglang import resolution
+
+    messages = []
+    log_decision = resolution.logger.warning
+    resolution.logger.warning = lambda msg, *a: messages.append(msg % a if a else msg)
+    os.environ["FLASHMOE_BACKEND"] = "fallback"
+    try:
+        out = {"forced_fallback": resolve(device="cpu", tp_size=2, attn_dp_size=2)}
+        out["forced_fallback_message"] = messages[-1] if messages else None
+        out["forced_fallback_for_schedulers"] = config.sglang_fallback()
+        os.environ["FLASHMOE_STRICT"] = "1"
+        out["forced_fallback_strict_error"] = _error(lambda: resolve(device="cpu", tp_size=2, attn_dp_size=2))
+    finally:
+        resolution.logger.warning = log_decision
+        os.environ.pop("FLASHMOE_STRICT", None)
+        del os.environ["FLASHMOE_BACKEND"]
     return out
 
 

@@ -14,6 +14,7 @@ from flashmoe.backend import (
     HOPPER,
     REFERENCE,
     UNQUANTIZED,
+    forced_fallback_reason,
     megakernel_unsupported_reason_for,
     select_backend,
     shape_unsupported_reason,
@@ -121,6 +122,16 @@ def test_select_backend_on_cpu_and_strict(monkeypatch):
         select_backend(fp8, torch.device("cpu"), 1)
     monkeypatch.setenv("FLASHMOE_BACKEND", "reference")
     assert select_backend(fp8, torch.device("cpu"), 1).name == REFERENCE
+
+
+def test_forced_fallback_is_for_the_adapters(monkeypatch):
+    """FLASHMOE_BACKEND=fallback gives adapters their decline reason; a layer built directly refuses it."""
+    monkeypatch.delenv("FLASHMOE_BACKEND", raising=False)
+    assert forced_fallback_reason() is None
+    monkeypatch.setenv("FLASHMOE_BACKEND", "Fallback")
+    assert forced_fallback_reason() == "FLASHMOE_BACKEND=fallback"
+    with pytest.raises(FlashMoEUnsupported, match="nothing to fall back to"):
+        FlashMoE(_spec(), ExpertPlacement.contiguous(8, 1), device=torch.device("cpu"))
 
 
 def test_flashmoe_quantized_flag_still_accepted():

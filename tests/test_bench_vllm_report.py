@@ -145,3 +145,38 @@ def test_report_adds_a_decode_step_table_per_profiled_level(tmp_path):
     c64 = text.split("\nc=64:\n")[1]
     assert "| flashmoe_dp4_ep | TimeoutError: x |" in c64 and "vllm_dp4_ep" not in c64  # not profiled at 64
     assert doc["runs"]["flashmoe_dp4_ep"]["profile"]["1"]["mean"]["steps"] == 62
+
+
+def test_report_shows_the_deepep_runs_beside_the_default_path(tmp_path):
+    ids = [[1, 2, 3], [4, 5, 6]]
+    fallback = _run("flashmoe_dp4_ep_fallback", 80.0, 30.0, [[1, 2, 3], [4, 5, 7]])
+    fallback["fallback_log_line"] = (
+        "(APIServer pid=7) WARNING 11-22 [engine_config.py:165] flashmoe: flashmoe declines the MoE layers "
+        "(FLASHMOE_BACKEND=fallback); using vLLM's DeepEP path (all2all_backend=deepep_high_throughput, "
+        "moe_backend=auto)"
+    )
+    fallback["fallback_total"] = 1.0
+    fallback["log"] = [
+        "(APIServer pid=7) INFO [compilation.py:1233] DeepEP: Disabling CUDA Graphs since DeepEP high-throughput "
+        "kernels are optimized for prefill and are incompatible with CUDA Graphs."
+    ]
+    text, doc = _report(
+        tmp_path,
+        (fallback, _run("vllm_dp4_ep_deepep_ll", 110.0, 18.0, ids), _run("vllm_dp4_ep", 100.0, 20.0, ids)),
+    )
+    assert list(doc["runs"]) == ["vllm_dp4_ep", "vllm_dp4_ep_deepep_ll", "flashmoe_dp4_ep_fallback"]
+    pairs = doc["comparison"]["token_ids"]
+    assert pairs["vllm_dp4_ep_deepep_ll vs vllm_dp4_ep"]["identical"] == 2
+    assert pairs["flashmoe_dp4_ep_fallback vs vllm_dp4_ep"]["first_difference_at"] == [None, 2]
+    assert "| vllm_dp4_ep_deepep_ll | 100.0 | 110 · 18.0 | 7040 · 18.0 |" in text
+    assert (
+        "vLLM's DP4+EP path with DeepEP low-latency over vLLM's default DP4+EP path, output tokens/s: "
+        in text
+    )
+    assert "c=1: 1.10×, c=64: 1.10×." in text
+    assert "c=1: 0.80×, c=64: 0.80× (vLLM ran this one without CUDA graphs" in text
+    assert (
+        "flashmoe_dp4_ep_fallback: the server logged `flashmoe: flashmoe declines the MoE layers "
+        "(FLASHMOE_BACKEND=fallback); using vLLM's DeepEP path" in text
+    )
+    assert "flashmoe_fallback_total counted 1." in text

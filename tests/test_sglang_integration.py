@@ -233,6 +233,21 @@ def test_strict_turns_fallback_into_error(config):
     assert "CUDA is not available" in config["strict_cuda_error"]
 
 
+def test_forced_fallback_takes_the_decline_path(config):
+    # FLASHMOE_BACKEND=fallback where flashmoe would serve (CPU): SGLang's default path (no deep_ep here).
+    assert config["forced_fallback"]["moe_runner_backend"] == "auto"
+    assert config["forced_fallback"]["moe_a2a_backend"] == "none"
+    message = config["forced_fallback_message"]
+    assert message == (
+        "flashmoe: flashmoe declines the MoE layers (FLASHMOE_BACKEND=fallback); "
+        "falling back to SGLang's default MoE path (deep_ep is not installed)"
+    )
+    assert config["forced_fallback_for_schedulers"] == message  # what the schedulers count in the metric
+    assert config["forced_fallback_strict_error"] == (
+        "FlashMoEUnsupported: FLASHMOE_STRICT=1 and flashmoe declines the MoE layers: FLASHMOE_BACKEND=fallback"
+    )
+
+
 def test_incompatible_options_are_refused(config):
     assert "--enable-two-batch-overlap" in config["tbo_error"]
     assert "--attn-dp-size 2" in config["no_dp_attention_error"]

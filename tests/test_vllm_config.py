@@ -106,3 +106,66 @@ def test_strict_refuses_cpu_reference(plugins_loaded, tiny_model, monkeypatch):
 def test_other_backends_untouched(plugins_loaded, tiny_model):
     cfg = _engine_config(tiny_model)
     assert cfg.kernel_config.moe_backend == "auto"
+
+
+def _fallback_count(reason: str) -> float:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value("flashmoe_fallback_total", {"reason": reason}) or 0.0
+
+
+FORCED_LINE = "flashmoe: flashmoe declines the MoE layers (FLASHMOE_BACKEND=fallback); using "
+
+
+def test_forced_fallback_takes_the_decline_path(plugins_loaded, tiny_model, flashmoe_log, monkeypatch):
+    """FLASHMOE_BACKEND=fallback: vLLM's own path where flashmoe would serve (CPU: its reference), with the
+    one log line and the fallback metric of a real decline; deep_ep does not import here, so the default path."""
+    from flashmoe.errors import FlashMoEUnsupported
+
+    monkeypatch.delenv("FLASHMOE_STRICT", raising=False)
+    monkeypatch.setenv("FLASHMOE_BACKEND", "fallback")
+    before = _fallback_count("FLASHMOE_BACKEND=fallback")
+    cfg = _engine_config(
+        tiny_model, moe_backend="flashmoe", tensor_parallel_size=2, enable_expert_parallel=True
+    )
+    assert cfg.kernel_config.moe_backend == "auto"
+    assert cfg.parallel_config.all2all_backend == "allgather_reducescatter"
+    assert [line for line in flashmoe_log if "declines" in line] == [
+        FORCED_LINE + "vLLM's default MoE path (all2all_backend=allgather_reducescatter, moe_backend=auto)"
+    ]
+    assert _fallback_count("FLASHMOE_BACKEND=fallback") == before + 1
+
+    monkeypatch.setenv("FLASHMOE_STRICT", "1")
+    with pytest.raises(
+        FlashMoEUnsupported,
+        match="FLASHMOE_STRICT=1 and flashmoe declines the MoE layers: FLASHMOE_BACKEND=fallback",
+    ):
+        _engine_config(
+            tiny_model, moe_backend="flashmoe", tensor_parallel_size=2, enable_expert_parallel=True
+        )
+
+
+def test_forced_fallback_picks_deepep_when_it_imports(plugins_loaded, tiny_model, flashmoe_log, monkeypatch):
+    """The DeepEP tier (what the 4xH200 run exercises): the engine config is rebuilt with vLLM's
+    deepep_high_throughput when deep_ep imports and --all2all-backend was left at its default; an
+    explicit all2all backend is kept."""
+    import sys
+    import types
+
+    monkeypatch.delenv("FLASHMOE_STRICT", raising=False)
+    monkeypatch.setenv("FLASHMOE_BACKEND", "fallback")
+    monkeypatch.setitem(sys.modules, "deep_ep", types.ModuleType("deep_ep"))  # a stand-in that imports
+    dp2 = dict(moe_backend="flashmoe", data_parallel_size=2, enable_expert_parallel=True)
+    cfg = _engine_config(tiny_model, **dp2)
+    assert (cfg.kernel_config.moe_backend, cfg.parallel_config.all2all_backend) == (
+        "auto",
+        "deepep_high_throughput",
+    )
+    assert flashmoe_log[-1] == FORCED_LINE + (
+        "vLLM's DeepEP path (all2all_backend=deepep_high_throughput, moe_backend=auto)"
+    )
+    cfg = _engine_config(tiny_model, all2all_backend="deepep_low_latency", **dp2)
+    assert cfg.parallel_config.all2all_backend == "deepep_low_latency"
+    assert flashmoe_log[-1] == FORCED_LINE + (
+        "vLLM's default MoE path (all2all_backend=deepep_low_latency, moe_backend=auto)"
+    )

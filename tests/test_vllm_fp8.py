@@ -21,7 +21,6 @@ fell back to vLLM would fail the load: flashmoe serving them is the only way the
 from __future__ import annotations
 
 import json
-import logging
 import os
 import shutil
 import subprocess
@@ -94,24 +93,6 @@ def _variant(fp8_model: Path, tmp_path: Path, **quant) -> Path:
     cfg["quantization_config"] = {k: v for k, v in cfg["quantization_config"].items() if v is not None}
     (d / "config.json").write_text(json.dumps(cfg))
     return d
-
-
-class _Lines(logging.Handler):
-    def __init__(self):
-        super().__init__()
-        self.lines: list[str] = []
-
-    def emit(self, record):
-        self.lines.append(record.getMessage())
-
-
-@pytest.fixture
-def flashmoe_log():
-    handler = _Lines()
-    logger = logging.getLogger("vllm.flashmoe")  # vLLM's loggers do not propagate to the root
-    logger.addHandler(handler)
-    yield handler.lines
-    logger.removeHandler(handler)
 
 
 def test_fp8_config_is_flashmoes_and_registration_is_idempotent(plugins_loaded):

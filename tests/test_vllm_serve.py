@@ -74,3 +74,41 @@ def test_unknown_backend_keeps_vllm_error(tiny_model):
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "argument --moe-backend: invalid choice: 'flashmo'" in proc.stderr
     assert "'flashmoe'" in proc.stderr  # listed among the valid choices
+
+
+FORCED_FALLBACK_LINE = (
+    "flashmoe: flashmoe declines the MoE layers (FLASHMOE_BACKEND=fallback); "
+    "using vLLM's default MoE path (all2all_backend=allgather_reducescatter, moe_backend=auto)"
+)
+
+
+def test_forced_fallback_serves_vllms_default_path(tiny_model, prompts, reference_ids, tmp_path):
+    """FLASHMOE_BACKEND=fallback where flashmoe would serve: vLLM's own MoE path (deep_ep does not import
+    here, so its default one) with the decline's log line and metric; FLASHMOE_STRICT=1 fails the start."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    args = SERVER_ARGS  # one rank: vLLM's own DP+EP path does not run on CPU (no all_gatherv there)
+    env = {"FLASHMOE_BACKEND": "fallback", "FLASHMOE_STRICT": "0"}
+    with VLLMServer(tiny_model, args, env=env, log_path=tmp_path / "server.log", startup_timeout=420) as srv:
+        got = [srv.complete(p, max_tokens=MAX_TOKENS, timeout=180)["token_ids"] for p in prompts]
+        scrape = srv.get("/metrics")
+        log = srv.log_path.read_text(errors="replace")
+    assert log.count(FORCED_FALLBACK_LINE) == 1, srv.log_tail()  # decided once, in the API server
+    assert "-> backend" not in log, "a MoE layer was built with flashmoe"
+    fallbacks = {
+        s.labels.get("reason"): s.value
+        for fam in text_string_to_metric_families(scrape)
+        if fam.name == "flashmoe_fallback"
+        for s in fam.samples
+        if s.name == "flashmoe_fallback_total"
+    }
+    assert fallbacks == {"FLASHMOE_BACKEND=fallback": 1.0}, scrape
+    assert got == reference_ids, f"vLLM's default path {got} != transformers {reference_ids}"
+
+    env["FLASHMOE_STRICT"] = "1"
+    strict = VLLMServer(tiny_model, args, env=env, log_path=tmp_path / "strict.log", startup_timeout=300)
+    with pytest.raises(RuntimeError, match="exited with"):
+        with strict:
+            pass
+    message = "FLASHMOE_STRICT=1 and flashmoe declines the MoE layers: FLASHMOE_BACKEND=fallback"
+    assert message in strict.log_path.read_text(errors="replace"), strict.log_tail()

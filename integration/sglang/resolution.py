@@ -3,9 +3,9 @@
 Wraps SGLang's ``handle_a2a_moe`` step. When flashmoe is selected it either declares
 ``moe_a2a_backend=customized, ep_size=tp_size`` (flashmoe serves the MoE layers) or hands the
 layers back to SGLang's own path (``deepep`` if ``deep_ep`` imports, else the default) with one log
-line saying why: on any platform when the checkpoint's experts are in a format flashmoe does not
-compute (anything but unquantized or block-fp8 128x128 with fp32 scales), and on CUDA when the
-megakernel cannot serve the model. Configurations flashmoe cannot serve correctly at all are
+line saying why: on any platform when ``FLASHMOE_BACKEND=fallback`` asks for it, or when the
+checkpoint's experts are in a format flashmoe does not compute (anything but unquantized or
+block-fp8 128x128 with fp32 scales), and on CUDA when the megakernel cannot serve the model. Configurations flashmoe cannot serve correctly at all are
 refused here, with an error that names the flag to change.
 """
 
@@ -18,10 +18,12 @@ from dataclasses import dataclass
 import torch
 from flashmoe import MoELayerSpec, config
 from flashmoe.backend import (
+    FORCED_FALLBACK_WHAT,
     MEGAKERNEL,
     REFERENCE,
     WeightFormat,
     deep_ep_importable,
+    forced_fallback_reason,
     hf_quantization_config,
     select_backend,
     weight_format_for,
@@ -74,6 +76,9 @@ def decide(server_args) -> Resolution:
 
     cfg = resolving_view(server_args)
     _refuse_incompatible_flags(cfg)
+    forced = forced_fallback_reason()
+    if forced is not None:
+        return _strict_or_fallback(forced, FORCED_FALLBACK_WHAT)
     model_config = model_config_of(server_args)
     weights = checkpoint_weight_format(model_config, cfg)
     hf = model_config.hf_text_config
@@ -84,9 +89,7 @@ def decide(server_args) -> Resolution:
         dtype=model_config.dtype,
     )
     if unreadable is not None:
-        if config.strict():
-            raise FlashMoEUnsupported(f"FLASHMOE_STRICT=1 and flashmoe cannot serve this model's experts: {unreadable}")
-        return _fallback(unreadable, "flashmoe cannot serve this model's experts")
+        return _strict_or_fallback(unreadable, "flashmoe cannot serve this model's experts")
     spec = layer_spec_from_model(model_config, cfg, weights)
     device = _target_device(cfg.device)
     choice = select_backend(spec, device, cfg.tp_size)  # raises under FLASHMOE_STRICT=1
@@ -188,6 +191,12 @@ def _refuse_unsupported_shared_experts(model_config, cfg) -> None:
         "their partial sums would not be reduced. Supported with shared experts: "
         f"{sorted(SHARED_EXPERT_TP1_ARCHS)}"
     )
+
+
+def _strict_or_fallback(reason: str, what: str) -> Resolution:
+    if config.strict():
+        raise FlashMoEUnsupported(f"FLASHMOE_STRICT=1 and {what}: {reason}")
+    return _fallback(reason, what)
 
 
 def _fallback(reason: str, what: str = "megakernel unavailable") -> Resolution:

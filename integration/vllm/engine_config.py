@@ -8,6 +8,8 @@ that unsupported deployments fail before any worker starts.
 What is decided here:
 - refused with an error: EP disabled on more than one rank, EPLB, dual-batch overlap, and the
   host-synchronising reference backend on CUDA with CUDA graphs on;
+- fallback, on every platform, when ``FLASHMOE_BACKEND=fallback`` asks for it (A/B runs against
+  vLLM's path; reason ``FLASHMOE_BACKEND=fallback``);
 - fallback, on every platform: expert weights in a format flashmoe does not compute (anything but
   unquantized or block-fp8 128x128 with fp32 scales: per-tensor fp8, UE8M0 scales, MXFP4, AWQ, GPTQ,
   ...; :func:`flashmoe.backend.weight_format_for` reads the checkpoint's ``quantization_config``);
@@ -26,9 +28,11 @@ from __future__ import annotations
 
 from flashmoe import config
 from flashmoe.backend import (
+    FORCED_FALLBACK_WHAT,
     REFERENCE,
     WeightFormat,
     deep_ep_importable,
+    forced_fallback_reason,
     hf_quantization_config,
     megakernel_unsupported_reason_for,
     weight_format_for,
@@ -102,6 +106,10 @@ def resolve(vllm_config) -> Fallback | None:
         )
     if getattr(parallel, "enable_dbo", False):
         raise ValueError("--moe-backend flashmoe does not support dual-batch overlap; drop --enable-dbo")
+
+    forced = forced_fallback_reason()
+    if forced is not None:  # before the platform's choice: on CPU too it lands on vLLM's own path
+        return _fall_back(FORCED_FALLBACK_WHAT, forced, parallel)
 
     platform = compat.platform_kind()
     weights = checkpoint_weight_format(model)

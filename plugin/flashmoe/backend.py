@@ -33,6 +33,9 @@ logger = logging.getLogger("flashmoe")
 
 MEGAKERNEL = "megakernel"
 REFERENCE = "reference"
+# FLASHMOE_BACKEND=fallback: the engine adapters decline flashmoe (A/B runs against the engine's own path).
+FORCED_FALLBACK = "fallback"
+FORCED_FALLBACK_WHAT = "flashmoe declines the MoE layers"
 
 # Tile constraints of the kernel (csrc/flashmoe/gemm.cuh): K and N are walked in 64/128-wide tiles;
 # block-fp8 weights come in 128x128 blocks, so both dimensions are whole blocks.
@@ -258,10 +261,23 @@ def megakernel_unsupported_reason(
     )
 
 
+def forced_fallback_reason() -> str | None:
+    """The reason adapters give when ``FLASHMOE_BACKEND=fallback`` tells them to decline flashmoe (None
+    otherwise). They take the path of a real decline with it: their fallback, its log line and metric,
+    and ``FLASHMOE_STRICT=1``'s error."""
+    return "FLASHMOE_BACKEND=fallback" if config.backend() == FORCED_FALLBACK else None
+
+
 def select_backend(
     spec: MoELayerSpec, device: torch.device, world_size: int, weights: WeightFormat | None = None
 ) -> BackendChoice:
     forced = config.backend()
+    if forced == FORCED_FALLBACK:
+        # Adapters decline before any layer is built; a layer built outside them has no other path.
+        raise FlashMoEUnsupported(
+            "FLASHMOE_BACKEND=fallback makes the vLLM and SGLang adapters serve with the engine's own MoE "
+            "path; a FlashMoE layer built outside them has nothing to fall back to (use auto, megakernel or reference)"
+        )
     if forced == REFERENCE:
         return BackendChoice(REFERENCE, "FLASHMOE_BACKEND=reference")
     why = megakernel_unsupported_reason(spec, device, world_size, weights)

@@ -34,7 +34,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("FLASHMOE_MAX_TOKENS", "0", "Max tokens per rank per call the symmetric buffers are sized for; 0 = what the engine reports."),
     EnvVar("FLASHMOE_TP_SLICE", "1", "vLLM TP+EP (tokens replicated over the EP group): 1 = each rank dispatches its 1/W slice of the tokens and the combined slices are all-gathered; 0 = every rank dispatches all of them (for A/B measurement)."),
     EnvVar("FLASHMOE_STRICT", "0", "1 turns any fallback away from the megakernel into an error."),
-    EnvVar("FLASHMOE_BACKEND", "auto", "auto | megakernel | reference: force the implementation behind the op."),
+    EnvVar("FLASHMOE_BACKEND", "auto", "auto | megakernel | reference | fallback: force the implementation behind the op. fallback: the vLLM and SGLang adapters decline flashmoe at start-up and serve with the engine's own MoE path (DeepEP if deep_ep imports, else the default), with the same log line and fallback metric as a real decline (FLASHMOE_STRICT=1: an error); for A/B runs against flashmoe."),
     EnvVar("FLASHMOE_METRICS", "1", "0 turns off the Prometheus export and the kernel's metrics records (read once per process)."),
     EnvVar("FLASHMOE_METRICS_PORT", "0", "If set, each rank serves its own Prometheus exporter on PORT + local rank."),
     EnvVar("FLASHMOE_METRICS_ADDR", "0.0.0.0", "Address the per-rank exporter (FLASHMOE_METRICS_PORT) binds."),
@@ -105,7 +105,7 @@ def trace() -> bool:
 
 # --- the op and the kernel's runtime arguments
 
-BACKENDS = ("auto", "megakernel", "reference")
+BACKENDS = ("auto", "megakernel", "reference", "fallback")
 
 
 def backend() -> str:
