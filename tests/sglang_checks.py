@@ -166,7 +166,9 @@ def _check_fp8_config(fp8_model_dir: str, resolve) -> dict:
             with open(os.path.join(d, "config.json")) as f:
                 cfg = json.load(f)
             cfg["quantization_config"].update(changes)
-            cfg["quantization_config"] = {k: v for k, v in cfg["quantization_config"].items() if v is not None}
+            cfg["quantization_config"] = {
+                k: v for k, v in cfg["quantization_config"].items() if v is not None
+            }
             with open(os.path.join(d, "config.json"), "w") as f:
                 json.dump(cfg, f)
             out[f"fp8_{name}"] = resolve(model_path=d, device="cpu", tp_size=2, attn_dp_size=2)
@@ -284,7 +286,9 @@ def check_layer_fp8(model_dir: str, rank: int, world: int, port: int, out_dir: s
     hf = AutoConfig.from_pretrained(model_dir)
     E, H, I = hf.num_experts, hf.hidden_size, hf.moe_intermediate_size
     torch.set_default_dtype(torch.bfloat16)
-    block = Qwen3MoeSparseMoeBlock(layer_id=0, config=hf, quant_config=quant_config, prefix="model.layers.0.mlp")
+    block = Qwen3MoeSparseMoeBlock(
+        layer_id=0, config=hf, quant_config=quant_config, prefix="model.layers.0.mlp"
+    )
     experts: FusedMoE = block.experts
     out["method"] = type(experts.quant_method).__name__
     out["params_created"] = {
@@ -309,12 +313,16 @@ def check_layer_fp8(model_dir: str, rank: int, world: int, port: int, out_dir: s
             tensor = ckpt[weight_name.removeprefix("experts.") + suffix]
             param.weight_loader(param, tensor, param_name + suffix, shard_id=shard_id, expert_id=expert_id)
     block.gate.weight.data.copy_(router.to(torch.bfloat16))
-    loaded = {n: getattr(experts, n).data.clone() for n in ("w13_weight", "w2_weight", "w13_weight_scale_inv", "w2_weight_scale_inv")}
+    loaded = {
+        n: getattr(experts, n).data.clone()
+        for n in ("w13_weight", "w2_weight", "w13_weight_scale_inv", "w2_weight_scale_inv")
+    }
     # SGLang's post-load step (quant_method.process_weights_after_loading for every module): under
     # flashmoe it must leave the fp8 experts as loaded (on this CPU it would otherwise need AMX).
     DefaultModelLoader.postprocess_weights(block, torch.device("cpu"))
     out["postprocess_kept_weights"] = all(
-        torch.equal(getattr(experts, n).data.view(torch.uint8), t.view(torch.uint8)) for n, t in loaded.items()
+        torch.equal(getattr(experts, n).data.view(torch.uint8), t.view(torch.uint8))
+        for n, t in loaded.items()
     )
     runtime.load_model_hook(None, _LoadedRunner(block))
     op = getattr(experts, runtime.LAYER_ATTR)
@@ -326,9 +334,16 @@ def check_layer_fp8(model_dir: str, rank: int, world: int, port: int, out_dir: s
 
     def recording_forward(*args, **kwargs):
         y = forward(*args, **kwargs)
-        calls.append({"x": args[0], "ids": args[1], "w": args[2], "y": y.clone(),
-                      "scales_in_place": kwargs["w13_scale_inv"] is experts.w13_weight_scale_inv
-                      and kwargs["w2_scale_inv"] is experts.w2_weight_scale_inv})
+        calls.append(
+            {
+                "x": args[0],
+                "ids": args[1],
+                "w": args[2],
+                "y": y.clone(),
+                "scales_in_place": kwargs["w13_scale_inv"] is experts.w13_weight_scale_inv
+                and kwargs["w2_scale_inv"] is experts.w2_weight_scale_inv,
+            }
+        )
         return y
 
     op.forward = recording_forward
@@ -340,17 +355,31 @@ def check_layer_fp8(model_dir: str, rank: int, world: int, port: int, out_dir: s
     out["scales_in_place"] = all(c.pop("scales_in_place") for c in calls)
     out["block_equals_op_output"] = bool(torch.equal(y, calls[0]["y"]))
     # The global experts in the op's layout (gate rows, then up), for the test's reference.
-    w13 = torch.stack([torch.cat([ckpt[f"{e}.gate_proj.weight"], ckpt[f"{e}.up_proj.weight"]]) for e in range(E)])
-    s13 = torch.stack([torch.cat([ckpt[f"{e}.gate_proj.weight_scale_inv"], ckpt[f"{e}.up_proj.weight_scale_inv"]]) for e in range(E)])
+    w13 = torch.stack(
+        [torch.cat([ckpt[f"{e}.gate_proj.weight"], ckpt[f"{e}.up_proj.weight"]]) for e in range(E)]
+    )
+    s13 = torch.stack(
+        [
+            torch.cat([ckpt[f"{e}.gate_proj.weight_scale_inv"], ckpt[f"{e}.up_proj.weight_scale_inv"]])
+            for e in range(E)
+        ]
+    )
     w2 = torch.stack([ckpt[f"{e}.down_proj.weight"] for e in range(E)])
     s2 = torch.stack([ckpt[f"{e}.down_proj.weight_scale_inv"] for e in range(E)])
     local = slice(rank * (E // world), (rank + 1) * (E // world))
     out["local_weights_match_checkpoint"] = all(
         torch.equal(got.view(torch.uint8), want[local].contiguous().view(torch.uint8))
-        for got, want in ((experts.w13_weight.data, w13), (experts.w13_weight_scale_inv.data, s13),
-                          (experts.w2_weight.data, w2), (experts.w2_weight_scale_inv.data, s2))
+        for got, want in (
+            (experts.w13_weight.data, w13),
+            (experts.w13_weight_scale_inv.data, s13),
+            (experts.w2_weight.data, w2),
+            (experts.w2_weight_scale_inv.data, s2),
+        )
     )
-    torch.save({"call": calls[0], "w13": w13, "s13": s13, "w2": w2, "s2": s2}, os.path.join(out_dir, f"rank{rank}.pt"))
+    torch.save(
+        {"call": calls[0], "w13": w13, "s13": s13, "w2": w2, "s2": s2},
+        os.path.join(out_dir, f"rank{rank}.pt"),
+    )
     return out
 
 

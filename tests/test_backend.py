@@ -24,7 +24,12 @@ from flashmoe.backend import (
 )
 from flashmoe.errors import FlashMoEUnsupported
 
-DEEPSEEK_V3_FP8 = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
+DEEPSEEK_V3_FP8 = {
+    "activation_scheme": "dynamic",
+    "fmt": "e4m3",
+    "quant_method": "fp8",
+    "weight_block_size": [128, 128],
+}
 QWEN3_FP8 = {
     "activation_scheme": "dynamic",
     "modules_to_not_convert": ["lm_head", "model.layers.0.mlp.gate"],
@@ -35,7 +40,11 @@ QWEN3_FP8 = {
 # (engine quant_method, checkpoint quantization_config, words the reason must contain)
 UNSUPPORTED = [
     ("fp8", {"quant_method": "fp8", "activation_scheme": "static"}, ["per-tensor fp8", "static"]),
-    ("fp8", {"quant_method": "fp8", "activation_scheme": "dynamic"}, ["per-tensor fp8", "no weight_block_size"]),
+    (
+        "fp8",
+        {"quant_method": "fp8", "activation_scheme": "dynamic"},
+        ["per-tensor fp8", "no weight_block_size"],
+    ),
     ("fp8", None, ["quantised online", "per-tensor"]),
     ("fp8", {**DEEPSEEK_V3_FP8, "scale_fmt": "ue8m0"}, ["UE8M0", "scale_fmt=ue8m0"]),
     ("fp8", {**DEEPSEEK_V3_FP8, "weight_block_size": [64, 64]}, ["64x64 blocks"]),
@@ -73,7 +82,9 @@ def test_unquantized_is_served():
     assert UNQUANTIZED.weight_dtype is None
 
 
-@pytest.mark.parametrize("method,cfg,words", UNSUPPORTED, ids=[f"{m}-{i}" for i, (m, _, _) in enumerate(UNSUPPORTED)])
+@pytest.mark.parametrize(
+    "method,cfg,words", UNSUPPORTED, ids=[f"{m}-{i}" for i, (m, _, _) in enumerate(UNSUPPORTED)]
+)
 def test_other_formats_get_a_one_line_reason_naming_them(method, cfg, words):
     fmt = weight_format_for(method, cfg)
     assert fmt.kind == "unsupported"
@@ -90,7 +101,9 @@ def test_shape_rules_depend_on_the_weight_format():
     # bf16 tiles: I in 64-steps; block-fp8: whole 128x128 blocks in both dimensions.
     assert shape_unsupported_reason(2048, 192, 8, 4) is None
     why = shape_unsupported_reason(2048, 192, 8, 4, torch.bfloat16, FP8_BLOCK_128)
-    assert why == "MoE intermediate size 192 is not a multiple of 128 (block-fp8 weights come in 128x128 blocks)"
+    assert (
+        why == "MoE intermediate size 192 is not a multiple of 128 (block-fp8 weights come in 128x128 blocks)"
+    )
     assert "hidden size 2112" in shape_unsupported_reason(2112, 768, 8, 4, torch.bfloat16, FP8_BLOCK_128)
     assert shape_unsupported_reason(2048, 768, 8, 4, torch.bfloat16, FP8_BLOCK_128) is None
     assert "dtype torch.float16" in shape_unsupported_reason(2048, 768, 8, 4, torch.float16, FP8_BLOCK_128)
@@ -110,7 +123,9 @@ def test_block_fp8_passes_the_format_and_shape_checks():
 
 
 def _spec(**kw):
-    return MoELayerSpec(num_experts=8, top_k=2, hidden_size=256, intermediate_size=128, max_tokens_per_rank=16, **kw)
+    return MoELayerSpec(
+        num_experts=8, top_k=2, hidden_size=256, intermediate_size=128, max_tokens_per_rank=16, **kw
+    )
 
 
 def test_select_backend_on_cpu_and_strict(monkeypatch):
@@ -150,7 +165,12 @@ def test_unsupported_weights_description_is_kept():
 
 def test_block_fp8_layer_facts():
     """Block-fp8 needs bf16 activations and whole 128-wide blocks on every backend; the reason says which."""
-    assert weights_unsupported_reason(FP8_BLOCK_128, hidden_size=2048, intermediate_size=768, dtype=torch.bfloat16) is None
+    assert (
+        weights_unsupported_reason(
+            FP8_BLOCK_128, hidden_size=2048, intermediate_size=768, dtype=torch.bfloat16
+        )
+        is None
+    )
     why = weights_unsupported_reason(FP8_BLOCK_128, dtype=torch.float16)
     assert why == "block-fp8 experts with float16 activations (flashmoe's fp8 path takes bf16)"
     why = weights_unsupported_reason(FP8_BLOCK_128, hidden_size=2048, intermediate_size=192)
@@ -170,5 +190,7 @@ def test_hf_quantization_config_reads_dicts_and_objects():
             return dict(DEEPSEEK_V3_FP8)
 
     assert hf_quantization_config(SimpleNamespace()) is None
-    assert hf_quantization_config(SimpleNamespace(), SimpleNamespace(quantization_config=QWEN3_FP8)) == QWEN3_FP8
+    assert (
+        hf_quantization_config(SimpleNamespace(), SimpleNamespace(quantization_config=QWEN3_FP8)) == QWEN3_FP8
+    )
     assert hf_quantization_config(SimpleNamespace(quantization_config=TransformersStyle())) == DEEPSEEK_V3_FP8

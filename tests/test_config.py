@@ -50,7 +50,9 @@ def test_the_op_applies_the_max_tokens_override(monkeypatch):
     """Applied once, in FlashMoE: the per-call token check and the buffers see the same bound."""
     from flashmoe import ExpertPlacement, FlashMoE, MoELayerSpec
 
-    spec = MoELayerSpec(num_experts=4, top_k=2, hidden_size=128, intermediate_size=64, max_tokens_per_rank=256)
+    spec = MoELayerSpec(
+        num_experts=4, top_k=2, hidden_size=128, intermediate_size=64, max_tokens_per_rank=256
+    )
     monkeypatch.setenv("FLASHMOE_MAX_TOKENS", "8")
     moe = FlashMoE(spec, ExpertPlacement.contiguous(4, 1), device=torch.device("cpu"))
     assert moe.spec.max_tokens_per_rank == 8

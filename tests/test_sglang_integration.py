@@ -295,13 +295,18 @@ def test_block_fp8_checkpoint_resolves_to_flashmoe(config):
 
 @pytest.mark.parametrize(
     "name, words",
-    [("per_tensor", "per-tensor fp8 weights (no weight_block_size"), ("ue8m0", "UE8M0 scales (scale_fmt=ue8m0)")],
+    [
+        ("per_tensor", "per-tensor fp8 weights (no weight_block_size"),
+        ("ue8m0", "UE8M0 scales (scale_fmt=ue8m0)"),
+    ],
 )
 def test_other_fp8_variants_fall_back_with_reason(config, name, words):
     assert config[f"fp8_{name}"]["moe_runner_backend"] == "auto"
     assert config[f"fp8_{name}"]["moe_a2a_backend"] == "none"  # no deep_ep here: SGLang's default path
     message = config[f"fp8_{name}_message"]
-    assert message.startswith("flashmoe: flashmoe cannot serve this model's experts (") and words in message, message
+    assert (
+        message.startswith("flashmoe: flashmoe cannot serve this model's experts (") and words in message
+    ), message
     assert "falling back to SGLang's default MoE path" in message
     error = config[f"fp8_{name}_strict_error"]
     assert error.startswith("FlashMoEUnsupported: FLASHMOE_STRICT=1") and words in error, error
@@ -333,6 +338,8 @@ def test_fp8_layer_output_equals_reference_bit_for_bit(fp8_layer_ranks):
         saved = torch.load(out_dir / f"rank{rank}.pt")
         call = saved["call"]
         assert call["x"].dtype == torch.bfloat16 and call["ids"].dtype == torch.int32
-        expected = moe_reference_fp8(call["x"], call["ids"], call["w"], saved["w13"], saved["s13"], saved["w2"], saved["s2"])
+        expected = moe_reference_fp8(
+            call["x"], call["ids"], call["w"], saved["w13"], saved["s13"], saved["w2"], saved["s2"]
+        )
         assert float(expected.float().norm()) > 0
         assert torch.equal(call["y"], expected), f"rank {rank}"

@@ -123,7 +123,9 @@ VARIANTS = {
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
-def test_other_fp8_variants_fall_back_with_reason(plugins_loaded, fp8_model, tmp_path, flashmoe_log, monkeypatch, name):
+def test_other_fp8_variants_fall_back_with_reason(
+    plugins_loaded, fp8_model, tmp_path, flashmoe_log, monkeypatch, name
+):
     from flashmoe.errors import FlashMoEUnsupported
 
     monkeypatch.delenv("FLASHMOE_STRICT", raising=False)
@@ -151,11 +153,15 @@ def layer_run(fp8_model, tmp_path_factory) -> tuple[dict, dict]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLASHMOE_")}
     p = subprocess.run(
         [sys.executable, str(CHECKS), "layer", str(fp8_model), str(out_dir)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     for line in p.stdout.splitlines():
         if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):]), torch.load(out_dir / "layer.pt")
+            return json.loads(line[len("RESULT ") :]), torch.load(out_dir / "layer.pt")
     raise AssertionError(f"vllm_fp8_checks.py printed no RESULT (exit {p.returncode})\n{p.stderr[-8000:]}")
 
 
@@ -245,19 +251,29 @@ def test_serve_fp8_matches_reference(topology, fp8_model, fp8_prompts, fp8_refer
 
     args, ep_size, mode = SERVE_TOPOLOGIES[topology]
     server_args = ["--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "128", "--max-num-seqs", "8"]
-    with VLLMServer(fp8_model, server_args + args, log_path=tmp_path / "server.log", startup_timeout=420) as srv:
+    with VLLMServer(
+        fp8_model, server_args + args, log_path=tmp_path / "server.log", startup_timeout=420
+    ) as srv:
         served = []
         for ids in fp8_prompts:
             body = {"model": srv.served_model_name, "prompt": ids, "max_tokens": 1, "prompt_logprobs": 0}
             choice = srv.post("/v1/completions", body, timeout=180)["choices"][0]
             served.append([float(next(iter(d.values()))["logprob"]) for d in choice["prompt_logprobs"][1:]])
         log = srv.log_path.read_text(errors="replace")
-    assert "flashmoe: MoE layers E=8 top_k=2 H=128 I=128 bfloat16 block-fp8 weights -> backend reference" in log, srv.log_tail()
+    assert (
+        "flashmoe: MoE layers E=8 top_k=2 H=128 I=128 bfloat16 block-fp8 weights -> backend reference" in log
+    ), srv.log_tail()
     assert f"flashmoe: MoE layers run in token mode {mode} (" in log, srv.log_tail()
     for rank in range(ep_size):
         assert f"EP rank {rank}/{ep_size} owns {8 // ep_size} experts" in log, srv.log_tail()
     assert "falls back" not in log and "cannot serve" not in log, srv.log_tail()
-    diffs = [abs(a - b) for got, want in zip(served, fp8_reference_logprobs, strict=True) for a, b in zip(got, want, strict=True)]
+    diffs = [
+        abs(a - b)
+        for got, want in zip(served, fp8_reference_logprobs, strict=True)
+        for a, b in zip(got, want, strict=True)
+    ]
     assert len(diffs) == sum(len(ids) - 1 for ids in fp8_prompts)
     mean = sum(diffs) / len(diffs)
-    assert mean <= MEAN_LOGPROB_BUDGET, f"{topology}: mean |dlogp| {mean:.4f} > {MEAN_LOGPROB_BUDGET} (max {max(diffs):.3f})"
+    assert mean <= MEAN_LOGPROB_BUDGET, (
+        f"{topology}: mean |dlogp| {mean:.4f} > {MEAN_LOGPROB_BUDGET} (max {max(diffs):.3f})"
+    )

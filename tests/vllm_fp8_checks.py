@@ -32,7 +32,9 @@ def check_layer(model_dir: str, out_dir: str) -> dict:
     from vllm.model_executor.layers.fused_moe import RoutedExperts
     from vllm.model_executor.layers.quantization import get_quantization_config
 
-    llm = LLM(model=model_dir, dtype="bfloat16", enforce_eager=True, max_model_len=128, moe_backend="flashmoe")
+    llm = LLM(
+        model=model_dir, dtype="bfloat16", enforce_eager=True, max_model_len=128, moe_backend="flashmoe"
+    )
     vllm_config = llm.llm_engine.vllm_config
     out: dict = {
         "moe_backend": vllm_config.kernel_config.moe_backend,
@@ -59,7 +61,12 @@ def check_layer(model_dir: str, out_dir: str) -> dict:
                         "prepare_is_flashmoe": isinstance(kernel.prepare_finalize, FlashMoEPrepareFinalize),
                         "params": {
                             p: [str(getattr(m, p).dtype), list(getattr(m, p).shape)]
-                            for p in ("w13_weight", "w2_weight", "w13_weight_scale_inv", "w2_weight_scale_inv")
+                            for p in (
+                                "w13_weight",
+                                "w2_weight",
+                                "w13_weight_scale_inv",
+                                "w2_weight_scale_inv",
+                            )
                         },
                     }
                 )

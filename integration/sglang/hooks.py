@@ -50,6 +50,7 @@ EXTENSION_POINTS: tuple[str, ...] = (
     "sglang.srt.runtime_context.cutedsl_moe_max_num_tokens",
 )
 
+
 def runtime_hooks_applied() -> list[str]:
     """The runtime hook targets HookRegistry has patched (apply_hooks only logs its failures)."""
     from sglang.srt.plugins.hook_registry import HookRegistry

@@ -147,7 +147,9 @@ def layer_spec_from_model(model_config, cfg, weights: WeightFormat | None = None
         top_k=top_k,
         hidden_size=hf.hidden_size,
         intermediate_size=intermediate,
-        max_tokens_per_rank=max(1, cfg.chunked_prefill_size or 8192),  # for the decision; scheduler layers size buffers
+        max_tokens_per_rank=max(
+            1, cfg.chunked_prefill_size or 8192
+        ),  # for the decision; scheduler layers size buffers
         dtype=model_config.dtype,
         weight_dtype=weights.weight_dtype if weights is not None else None,
     )
@@ -206,9 +208,7 @@ def _fallback(reason: str, what: str = "megakernel unavailable") -> Resolution:
     else:
         fields = {"moe_runner_backend": "auto", "moe_a2a_backend": "none"}
         target = "SGLang's default MoE path (deep_ep is not installed)"
-    return Resolution(
-        fields, f"flashmoe: {what} ({reason}); falling back to {target}", fallback=True
-    )
+    return Resolution(fields, f"flashmoe: {what} ({reason}); falling back to {target}", fallback=True)
 
 
 def _target_device(device: str | None) -> torch.device:

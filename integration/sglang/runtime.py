@@ -164,7 +164,9 @@ def run_flashmoe_layer(layer, dispatch_output):
     scales = {}
     if op.spec.fp8_weights:
         scales = {"w13_scale_inv": layer.w13_weight_scale_inv, "w2_scale_inv": layer.w2_weight_scale_inv}
-    out = op(dispatch_output.hidden_states, topk_ids, topk_weights, layer.w13_weight, layer.w2_weight, **scales)
+    out = op(
+        dispatch_output.hidden_states, topk_ids, topk_weights, layer.w13_weight, layer.w2_weight, **scales
+    )
     return StandardCombineInput(hidden_states=out)
 
 

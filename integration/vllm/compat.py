@@ -90,7 +90,10 @@ def ensure_moe_workspace(device) -> None:
         from vllm.v1.worker import workspace
     except ImportError:  # pragma: no cover - every supported release has it
         return
-    if hasattr(workspace, "is_workspace_manager_initialized") and not workspace.is_workspace_manager_initialized():
+    if (
+        hasattr(workspace, "is_workspace_manager_initialized")
+        and not workspace.is_workspace_manager_initialized()
+    ):
         workspace.init_workspace_manager(device)
 
 

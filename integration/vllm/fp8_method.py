@@ -45,7 +45,9 @@ QUANT_METHOD = "fp8"  # the checkpoint quant_method (and vLLM quantization name)
 
 class FlashMoEFp8Method(FlashMoEServing, Fp8MoEMethod):
     def __init__(self, quant_config: Fp8Config, layer):
-        self._init_serving(layer.moe_config, functools.partial(Fp8MoEMethod.__init__, self, quant_config, layer))
+        self._init_serving(
+            layer.moe_config, functools.partial(Fp8MoEMethod.__init__, self, quant_config, layer)
+        )
 
     def _weight_format(self) -> WeightFormat:
         return FP8_BLOCK_128

@@ -72,7 +72,8 @@ class WeightFormat:
 
 UNQUANTIZED = WeightFormat("unquantized", "unquantized weights")
 FP8_BLOCK_128 = WeightFormat(
-    "fp8_block", "block-fp8 weights (e4m3, 128x128 blocks, fp32 scale_inv, dynamic per-token-group activations)"
+    "fp8_block",
+    "block-fp8 weights (e4m3, 128x128 blocks, fp32 scale_inv, dynamic per-token-group activations)",
 )
 
 
@@ -157,12 +158,18 @@ def weight_format_for(quant_method: str | None, quant_config: Mapping | None = N
     block = cfg.get("weight_block_size")
     if block is None:
         scheme = cfg.get("activation_scheme", "dynamic")
-        return unsupported_weights(f"per-tensor fp8 weights (no weight_block_size; {scheme} activation scales)")
+        return unsupported_weights(
+            f"per-tensor fp8 weights (no weight_block_size; {scheme} activation scales)"
+        )
     if list(block) != [FP8_BLOCK, FP8_BLOCK]:
-        return unsupported_weights(f"fp8 weights in {'x'.join(map(str, block))} blocks (weight_block_size={list(block)})")
+        return unsupported_weights(
+            f"fp8 weights in {'x'.join(map(str, block))} blocks (weight_block_size={list(block)})"
+        )
     scale_fmt = cfg.get("scale_fmt")
     if scale_fmt not in (None, "float32", "fp32"):
-        return unsupported_weights(f"block-fp8 weights with {str(scale_fmt).upper()} scales (scale_fmt={scale_fmt})")
+        return unsupported_weights(
+            f"block-fp8 weights with {str(scale_fmt).upper()} scales (scale_fmt={scale_fmt})"
+        )
     if cfg.get("activation_scheme", "dynamic") != "dynamic":
         return unsupported_weights(f"block-fp8 weights with {cfg['activation_scheme']} activation scales")
     return FP8_BLOCK_128
@@ -174,7 +181,9 @@ def hf_quantization_config(*hf_configs) -> dict | None:
     for hf in hf_configs:
         cfg = getattr(hf, "quantization_config", None)
         if cfg is not None:
-            return dict(cfg) if isinstance(cfg, Mapping) else cfg.to_dict()  # a transformers QuantizationConfig
+            return (
+                dict(cfg) if isinstance(cfg, Mapping) else cfg.to_dict()
+            )  # a transformers QuantizationConfig
     return None
 
 
@@ -218,7 +227,9 @@ def megakernel_unsupported_reason_for(
     ``capability``, else a one-line reason. Needs no CUDA context: engines call it at config time with
     the capability their platform reports and :func:`weight_format_for` of the checkpoint."""
     if not isinstance(weights, WeightFormat):
-        raise TypeError(f"weights must be a flashmoe.backend.WeightFormat, got {type(weights).__name__} {weights!r}")
+        raise TypeError(
+            f"weights must be a flashmoe.backend.WeightFormat, got {type(weights).__name__} {weights!r}"
+        )
     if capability != HOPPER:
         return f"GPU is sm_{capability[0]}{capability[1]}; the megakernel is built for Hopper (sm_90a)"
     why = weights_unsupported_reason(weights)

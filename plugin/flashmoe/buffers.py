@@ -23,6 +23,7 @@ from .errors import FlashMoEError
 
 logger = logging.getLogger("flashmoe")
 
+
 class SymmetricBuffers:
     def __init__(self, ops, capacity: Capacity, rank: int, device: torch.device):
         self.ops, self.capacity, self.rank, self.device = ops, capacity, rank, device
@@ -110,5 +111,7 @@ def default_num_blocks(ops, device: torch.device) -> int:
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     blocks = min(budget if budget > 0 else sms, resident)
     if blocks < 1:
-        raise FlashMoEError("the megakernel cannot be resident on this GPU (occupancy query returned 0 blocks)")
+        raise FlashMoEError(
+            "the megakernel cannot be resident on this GPU (occupancy query returned 0 blocks)"
+        )
     return blocks

@@ -53,7 +53,9 @@ class FlashMoE:
         says (the megakernel then refuses the layer); block-fp8 is described by the spec, not by this."""
         import torch.distributed as dist
 
-        spec = dataclasses.replace(spec, max_tokens_per_rank=config.max_tokens_per_rank(spec.max_tokens_per_rank))
+        spec = dataclasses.replace(
+            spec, max_tokens_per_rank=config.max_tokens_per_rank(spec.max_tokens_per_rank)
+        )
         self.spec = spec
         self.placement = placement
         self.group = group
@@ -64,8 +66,14 @@ class FlashMoE:
         self.rank = dist.get_rank(group) if distributed else 0
         validation.check_layer(spec, placement, self.world_size)
         if device is None:
-            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-        if device.type == "cuda" and device.index is None:  # compared with the tensors' devices, which carry one
+            device = (
+                torch.device("cuda", torch.cuda.current_device())
+                if torch.cuda.is_available()
+                else torch.device("cpu")
+            )
+        if (
+            device.type == "cuda" and device.index is None
+        ):  # compared with the tensors' devices, which carry one
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         weights = spec_weight_format(spec)
@@ -73,21 +81,41 @@ class FlashMoE:
             weights = unsupported_weights("quantized weights in a format the layer spec does not describe")
         choice = select_backend(spec, device, self.world_size, weights)
         self.backend, self.reason = choice.name, choice.reason
-        self.layer_id = metrics.register_layer(layer_name or f"layer{id(self):x}", self.backend, ep_rank=self.rank)
+        self.layer_id = metrics.register_layer(
+            layer_name or f"layer{id(self):x}", self.backend, ep_rank=self.rank
+        )
         self._kernel = None
         if self.backend == MEGAKERNEL:
             from .megakernel import MegaKernelLayer
 
-            self._kernel = MegaKernelLayer(spec, placement, self.rank, self.world_size, self.group, self.cpu_group, device, self.layer_id)
+            self._kernel = MegaKernelLayer(
+                spec, placement, self.rank, self.world_size, self.group, self.cpu_group, device, self.layer_id
+            )
             # After every megakernel layer: an earlier layer's buffers may have just been grown (replaced).
             buf = self._kernel.buffers
             metrics.attach_device_source(buf.metrics_ring, buf.metrics_totals)
 
     def __call__(
-        self, hidden_states, topk_ids, topk_weights, w13, w2, out=None, *, w13_scale_inv=None, w2_scale_inv=None
+        self,
+        hidden_states,
+        topk_ids,
+        topk_weights,
+        w13,
+        w2,
+        out=None,
+        *,
+        w13_scale_inv=None,
+        w2_scale_inv=None,
     ) -> torch.Tensor:
         return self.forward(
-            hidden_states, topk_ids, topk_weights, w13, w2, out=out, w13_scale_inv=w13_scale_inv, w2_scale_inv=w2_scale_inv
+            hidden_states,
+            topk_ids,
+            topk_weights,
+            w13,
+            w2,
+            out=out,
+            w13_scale_inv=w13_scale_inv,
+            w2_scale_inv=w2_scale_inv,
         )
 
     def forward(
@@ -109,29 +137,73 @@ class FlashMoE:
         on_gpu = self._kernel is not None
         # One set of checks for both backends; the GPU path skips only the id range (it would need a sync).
         validation.check_call(
-            hidden_states, topk_ids, topk_weights, w13, w2, self.placement, self.rank, spec=self.spec, out=out,
-            check_ids=not on_gpu, device=self.device if on_gpu else None, contiguous=on_gpu,
-            w13_scale_inv=w13_scale_inv, w2_scale_inv=w2_scale_inv,
+            hidden_states,
+            topk_ids,
+            topk_weights,
+            w13,
+            w2,
+            self.placement,
+            self.rank,
+            spec=self.spec,
+            out=out,
+            check_ids=not on_gpu,
+            device=self.device if on_gpu else None,
+            contiguous=on_gpu,
+            w13_scale_inv=w13_scale_inv,
+            w2_scale_inv=w2_scale_inv,
         )
         if on_gpu:
             return self._kernel.forward(
-                hidden_states, topk_ids, topk_weights, w13, w2, out, w13_scale_inv=w13_scale_inv, w2_scale_inv=w2_scale_inv
+                hidden_states,
+                topk_ids,
+                topk_weights,
+                w13,
+                w2,
+                out,
+                w13_scale_inv=w13_scale_inv,
+                w2_scale_inv=w2_scale_inv,
             )
         t0 = time.perf_counter()
         # The reference implementations without their own input checks: check_call above made them.
         if self.spec.fp8_weights:
             if self.world_size == 1:
                 result = _reference_fp8_impl(
-                    hidden_states, topk_ids, topk_weights, w13, w13_scale_inv, w2, w2_scale_inv, self.placement
+                    hidden_states,
+                    topk_ids,
+                    topk_weights,
+                    w13,
+                    w13_scale_inv,
+                    w2,
+                    w2_scale_inv,
+                    self.placement,
                 )
             else:
                 result = _reference_distributed_fp8_impl(
-                    hidden_states, topk_ids, topk_weights, w13, w13_scale_inv, w2, w2_scale_inv, self.placement, self.group
+                    hidden_states,
+                    topk_ids,
+                    topk_weights,
+                    w13,
+                    w13_scale_inv,
+                    w2,
+                    w2_scale_inv,
+                    self.placement,
+                    self.group,
                 )
         elif self.world_size == 1:
-            result = _reference_impl(hidden_states, topk_ids, topk_weights, w13, w2, self.placement, torch.float32, hidden_states.dtype)
+            result = _reference_impl(
+                hidden_states,
+                topk_ids,
+                topk_weights,
+                w13,
+                w2,
+                self.placement,
+                torch.float32,
+                hidden_states.dtype,
+            )
         else:
-            result = _reference_distributed_impl(hidden_states, topk_ids, topk_weights, w13, w2, self.placement, self.group)
+            result = _reference_distributed_impl(
+                hidden_states, topk_ids, topk_weights, w13, w2, self.placement, self.group
+            )
         metrics.record_host_call(self.layer_id, time.perf_counter() - t0, hidden_states.shape[0])
         if out is not None:
             out.copy_(result)
@@ -139,7 +211,9 @@ class FlashMoE:
         return result
 
     def _check_scales_given(self, w13_scale_inv, w2_scale_inv) -> None:
-        given = [n for n, t in (("w13_scale_inv", w13_scale_inv), ("w2_scale_inv", w2_scale_inv)) if t is not None]
+        given = [
+            n for n, t in (("w13_scale_inv", w13_scale_inv), ("w2_scale_inv", w2_scale_inv)) if t is not None
+        ]
         if self.spec.fp8_weights:
             missing = [n for n in ("w13_scale_inv", "w2_scale_inv") if n not in given]
             if missing:

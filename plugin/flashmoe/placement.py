@@ -74,7 +74,9 @@ class ExpertPlacement:
                 raise ValueError("expert maps of different lengths")
             own = m >= 0
             if bool((rank[own] >= 0).any()):
-                raise ValueError(f"rank {r} claims an expert another rank already owns (redundant experts are not supported)")
+                raise ValueError(
+                    f"rank {r} claims an expert another rank already owns (redundant experts are not supported)"
+                )
             rank[own] = r
             local[own] = m[own].to(torch.int32)
         if bool((rank < 0).any()):

@@ -37,7 +37,9 @@ from . import validation
 from .placement import ExpertPlacement
 
 
-def swiglu_expert(x: torch.Tensor, w13_e: torch.Tensor, w2_e: torch.Tensor, round_dtype: torch.dtype | None) -> torch.Tensor:
+def swiglu_expert(
+    x: torch.Tensor, w13_e: torch.Tensor, w2_e: torch.Tensor, round_dtype: torch.dtype | None
+) -> torch.Tensor:
     """expert(x) for rows x, computed in the dtype of ``x``; optional rounding of the activation."""
     I = w13_e.shape[0] // 2
     gate_up = x @ w13_e.t()
@@ -63,18 +65,27 @@ def _per_expert(local_ids: torch.Tensor, out: torch.Tensor, compute) -> torch.Te
 
 
 def _expert_outputs(
-    x: torch.Tensor, local_ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, compute_dtype: torch.dtype, round_dtype
+    x: torch.Tensor,
+    local_ids: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    compute_dtype: torch.dtype,
+    round_dtype,
 ) -> torch.Tensor:
     """y[n] = expert_{local_ids[n]}(x[n]) for a flat list of (row, local expert) pairs, grouped by expert."""
 
     def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
-        return swiglu_expert(x[rows].to(compute_dtype), w13[e].to(compute_dtype), w2[e].to(compute_dtype), round_dtype)
+        return swiglu_expert(
+            x[rows].to(compute_dtype), w13[e].to(compute_dtype), w2[e].to(compute_dtype), round_dtype
+        )
 
     y = torch.empty(x.shape[0], w2.shape[1], dtype=compute_dtype, device=x.device)
     return _per_expert(local_ids, y, expert)
 
 
-def _weighted_sum(y: torch.Tensor, valid: torch.Tensor, topk_weights: torch.Tensor, acc_dtype, out_dtype) -> torch.Tensor:
+def _weighted_sum(
+    y: torch.Tensor, valid: torch.Tensor, topk_weights: torch.Tensor, acc_dtype, out_dtype
+) -> torch.Tensor:
     """sum_j w[t,j] * y[t,j] in ascending j, invalid slots contributing nothing. y: [T, k, H]."""
     T, k, H = y.shape
     out = torch.zeros(T, H, dtype=acc_dtype, device=y.device)
@@ -98,9 +109,13 @@ def moe_reference(
     if placement is None:
         placement = ExpertPlacement.contiguous(w13.shape[0], 1)
     if placement.world_size != 1:
-        raise ValueError("moe_reference computes a whole layer on one rank; use moe_reference_distributed for EP groups")
+        raise ValueError(
+            "moe_reference computes a whole layer on one rank; use moe_reference_distributed for EP groups"
+        )
     validation.check_call(hidden_states, topk_ids, topk_weights, w13, w2, placement, rank)
-    return _reference_impl(hidden_states, topk_ids, topk_weights, w13, w2, placement, torch.float32, hidden_states.dtype)
+    return _reference_impl(
+        hidden_states, topk_ids, topk_weights, w13, w2, placement, torch.float32, hidden_states.dtype
+    )
 
 
 def moe_oracle_fp64(
@@ -116,7 +131,17 @@ def moe_oracle_fp64(
     if placement is None:
         placement = ExpertPlacement.contiguous(w13.shape[0], 1)
     validation.check_call(hidden_states, topk_ids, topk_weights, w13, w2, placement, 0)
-    return _reference_impl(hidden_states, topk_ids, topk_weights, w13, w2, placement, torch.float64, torch.float64, rounding=False)
+    return _reference_impl(
+        hidden_states,
+        topk_ids,
+        topk_weights,
+        w13,
+        w2,
+        placement,
+        torch.float64,
+        torch.float64,
+        rounding=False,
+    )
 
 
 def _reference_impl(x, topk_ids, topk_weights, w13, w2, placement, compute_dtype, out_dtype, rounding=True):
@@ -168,7 +193,9 @@ def moe_reference_distributed(
     return _reference_distributed_impl(hidden_states, topk_ids, topk_weights, w13, w2, placement, group)
 
 
-def _reference_distributed_impl(hidden_states, topk_ids, topk_weights, w13, w2, placement, group) -> torch.Tensor:
+def _reference_distributed_impl(
+    hidden_states, topk_ids, topk_weights, w13, w2, placement, group
+) -> torch.Tensor:
     """moe_reference_distributed without the input checks (FlashMoE has made them already)."""
     x = hidden_states
     round_dtype = x.dtype if x.dtype != torch.float32 else None
@@ -205,7 +232,11 @@ def _combine_distributed(hidden_states, topk_ids, topk_weights, placement, group
     send_dest, send_tok = torch.nonzero(onehot.t(), as_tuple=True)  # sorted by dest then token
     row_counts = torch.bincount(send_dest, minlength=world_size)
     # Per sent row: ids masked to the destination's experts (as local ids, -1 elsewhere).
-    send_ids = torch.where(dest[send_tok] == send_dest[:, None], expert_local[safe_ids[send_tok]], torch.full_like(safe_ids[send_tok], -1).int())
+    send_ids = torch.where(
+        dest[send_tok] == send_dest[:, None],
+        expert_local[safe_ids[send_tok]],
+        torch.full_like(safe_ids[send_tok], -1).int(),
+    )
     send_ids = send_ids.to(torch.int32)
 
     recv_row_counts = _exchange_counts(row_counts, group)

@@ -132,7 +132,9 @@ def _single_rank_layer(
     scales = {"w13_scale_inv": w13_scale_inv, "w2_scale_inv": w2_scale_inv}
     validation.check_call(x, topk_ids, topk_weights, w13, w2, placement, 0, **scales)
     weights = (w13, w13_scale_inv, w2, w2_scale_inv)
-    return _single_rank_impl(expert_outputs, acc_dtype, out_dtype, x, topk_ids, topk_weights, weights, placement)
+    return _single_rank_impl(
+        expert_outputs, acc_dtype, out_dtype, x, topk_ids, topk_weights, weights, placement
+    )
 
 
 def _single_rank_impl(expert_outputs, acc_dtype, out_dtype, x, topk_ids, topk_weights, weights, placement):
@@ -144,10 +146,14 @@ def _single_rank_impl(expert_outputs, acc_dtype, out_dtype, x, topk_ids, topk_we
     return _combine_local(x, topk_ids, topk_weights, placement, outputs, acc_dtype, out_dtype)
 
 
-def _reference_fp8_impl(x, topk_ids, topk_weights, w13, w13_scale_inv, w2, w2_scale_inv, placement) -> torch.Tensor:
+def _reference_fp8_impl(
+    x, topk_ids, topk_weights, w13, w13_scale_inv, w2, w2_scale_inv, placement
+) -> torch.Tensor:
     """moe_reference_fp8 without the input checks (FlashMoE has made them)."""
     weights = (w13, w13_scale_inv, w2, w2_scale_inv)
-    return _single_rank_impl(_fp8_expert_outputs, torch.float32, torch.bfloat16, x, topk_ids, topk_weights, weights, placement)
+    return _single_rank_impl(
+        _fp8_expert_outputs, torch.float32, torch.bfloat16, x, topk_ids, topk_weights, weights, placement
+    )
 
 
 def moe_reference_fp8(

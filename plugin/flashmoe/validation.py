@@ -66,21 +66,27 @@ def check_spec(spec) -> None:
     if spec.top_k > spec.num_experts:
         raise ValueError(f"MoELayerSpec.top_k={spec.top_k} exceeds num_experts={spec.num_experts}")
     if not isinstance(spec.dtype, torch.dtype):
-        raise TypeError(f"MoELayerSpec.dtype must be a torch.dtype, got {type(spec.dtype).__name__} {spec.dtype!r}")
+        raise TypeError(
+            f"MoELayerSpec.dtype must be a torch.dtype, got {type(spec.dtype).__name__} {spec.dtype!r}"
+        )
     if spec.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"MoELayerSpec.dtype {spec.dtype} not supported (use one of {SUPPORTED_DTYPES})")
     w = spec.weight_dtype
     if w is None or w == spec.dtype:
         return
     if not isinstance(w, torch.dtype):
-        raise TypeError(f"MoELayerSpec.weight_dtype must be a torch.dtype or None, got {type(w).__name__} {w!r}")
+        raise TypeError(
+            f"MoELayerSpec.weight_dtype must be a torch.dtype or None, got {type(w).__name__} {w!r}"
+        )
     if w != E4M3:
         raise ValueError(
             f"MoELayerSpec.weight_dtype {w} not supported: use None (weights in dtype {spec.dtype}) or "
             f"{E4M3} (block-fp8 experts)"
         )
     if spec.dtype != torch.bfloat16:
-        raise ValueError(f"MoELayerSpec.weight_dtype {E4M3} needs dtype torch.bfloat16 (bf16 activations), got {spec.dtype}")
+        raise ValueError(
+            f"MoELayerSpec.weight_dtype {E4M3} needs dtype torch.bfloat16 (bf16 activations), got {spec.dtype}"
+        )
     if spec.hidden_size % GROUP or spec.intermediate_size % GROUP:
         raise ValueError(
             f"MoELayerSpec: block-fp8 weights need hidden_size and intermediate_size multiples of {GROUP} "
@@ -110,7 +116,9 @@ def check_placement(placement) -> None:
         idx = loc[r == rank]
         dense = torch.arange(idx.numel(), dtype=torch.int32, device=idx.device)
         if idx.numel() and not torch.equal(torch.sort(idx).values, dense):
-            raise ValueError(f"rank {rank}: local expert indices must be a permutation of 0..{idx.numel() - 1}")
+            raise ValueError(
+                f"rank {rank}: local expert indices must be a permutation of 0..{idx.numel() - 1}"
+            )
 
 
 def check_layer(spec, placement, world_size: int) -> None:
@@ -171,14 +179,18 @@ def check_call(
     if hidden_states.dim() != 2:
         raise ValueError(f"hidden_states must be [T, H], got shape {tuple(hidden_states.shape)}")
     if hidden_states.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"hidden_states dtype {hidden_states.dtype} not supported (use one of {SUPPORTED_DTYPES})")
+        raise ValueError(
+            f"hidden_states dtype {hidden_states.dtype} not supported (use one of {SUPPORTED_DTYPES})"
+        )
     T, H = hidden_states.shape
     if topk_ids.dim() != 2 or topk_ids.shape[0] != T:
         raise ValueError(f"topk_ids must be [T={T}, k], got {tuple(topk_ids.shape)}")
     if topk_ids.dtype != torch.int32:
         raise ValueError(f"topk_ids must be int32, got {topk_ids.dtype}")
     if topk_weights.shape != topk_ids.shape:
-        raise ValueError(f"topk_weights shape {tuple(topk_weights.shape)} != topk_ids shape {tuple(topk_ids.shape)}")
+        raise ValueError(
+            f"topk_weights shape {tuple(topk_weights.shape)} != topk_ids shape {tuple(topk_ids.shape)}"
+        )
     if topk_weights.dtype != torch.float32:
         raise ValueError(f"topk_weights must be float32, got {topk_weights.dtype}")
     if w13.dim() != 3 or w2.dim() != 3:
@@ -187,7 +199,9 @@ def check_call(
         )
     E_local, two_i, h13 = w13.shape
     if h13 != H or two_i % 2:
-        raise ValueError(f"w13 shape {tuple(w13.shape)} does not fit hidden size {H} (expected [E_local, 2I, {H}])")
+        raise ValueError(
+            f"w13 shape {tuple(w13.shape)} does not fit hidden size {H} (expected [E_local, 2I, {H}])"
+        )
     I = two_i // 2
     if tuple(w2.shape) != (E_local, H, I):
         raise ValueError(f"w2 shape {tuple(w2.shape)} != (E_local={E_local}, H={H}, I={I}) implied by w13")
@@ -213,7 +227,9 @@ def check_call(
             if not t.is_contiguous():
                 raise ValueError(f"{name} must be contiguous (the megakernel reads it in place)")
     if out is not None and (
-        out.shape != hidden_states.shape or out.dtype != hidden_states.dtype or out.device != hidden_states.device
+        out.shape != hidden_states.shape
+        or out.dtype != hidden_states.dtype
+        or out.device != hidden_states.device
     ):
         raise ValueError(
             f"out must be {tuple(hidden_states.shape)} {hidden_states.dtype} on {hidden_states.device}, "
@@ -247,7 +263,9 @@ def _check_fp8_weights(x_dtype: torch.dtype, w13, w13_scale_inv, w2, w2_scale_in
             raise ValueError(f"{name} must be float32, got {t.dtype}")
 
 
-def _check_against_spec(spec, T: int, H: int, k: int, I: int, dtype: torch.dtype, weight_dtype: torch.dtype) -> None:
+def _check_against_spec(
+    spec, T: int, H: int, k: int, I: int, dtype: torch.dtype, weight_dtype: torch.dtype
+) -> None:
     if H != spec.hidden_size:
         raise ValueError(f"hidden_states has H={H}, the layer's hidden_size is {spec.hidden_size}")
     if k != spec.top_k:
@@ -260,4 +278,6 @@ def _check_against_spec(spec, T: int, H: int, k: int, I: int, dtype: torch.dtype
     if weight_dtype != expected:
         raise ValueError(f"w13/w2 dtype {weight_dtype} differs from the layer's weight dtype {expected}")
     if T > spec.max_tokens_per_rank:
-        raise ValueError(f"{T} tokens exceed max_tokens_per_rank={spec.max_tokens_per_rank} this layer was sized for")
+        raise ValueError(
+            f"{T} tokens exceed max_tokens_per_rank={spec.max_tokens_per_rank} this layer was sized for"
+        )
