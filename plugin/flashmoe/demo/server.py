@@ -68,7 +68,11 @@ class VLLMServer:
         if moe_backend is not None:
             cmd += ["--moe-backend", moe_backend]
         self.cmd = cmd + list(extra_args)
-        self.env = {**os.environ, **_default_env(), "TMPDIR": str(self.tmp_dir), **(env or {})}
+        # A server is a serving process of its own: it must make its own metrics bridge (metrics.bridge). The
+        # variable is in this process's environment when it loaded the vLLM plugin itself (an engine config
+        # built here); inherited, it would make the server take itself for a worker and export nothing.
+        inherited = {k: v for k, v in os.environ.items() if k != "FLASHMOE_METRICS_BRIDGE_DIR"}
+        self.env = {**inherited, **_default_env(), "TMPDIR": str(self.tmp_dir), **(env or {})}
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> VLLMServer:
