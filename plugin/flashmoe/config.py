@@ -177,6 +177,12 @@ def set_metrics_bridge_dir(path: str) -> None:
     os.environ["FLASHMOE_METRICS_BRIDGE_DIR"] = path
 
 
+def environ_for_new_server() -> dict[str, str]:
+    """This process's environment for a serving process it starts (not one of its workers): without the
+    metrics bridge directory, so the server makes its own bridge instead of taking itself for a worker."""
+    return {k: v for k, v in os.environ.items() if k != "FLASHMOE_METRICS_BRIDGE_DIR"}
+
+
 def sglang_fallback() -> str | None:
     return _optional("FLASHMOE_SGLANG_FALLBACK")
 

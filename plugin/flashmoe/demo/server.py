@@ -19,6 +19,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from .. import config
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -71,8 +73,12 @@ class VLLMServer:
         # A server is a serving process of its own: it must make its own metrics bridge (metrics.bridge). The
         # variable is in this process's environment when it loaded the vLLM plugin itself (an engine config
         # built here); inherited, it would make the server take itself for a worker and export nothing.
-        inherited = {k: v for k, v in os.environ.items() if k != "FLASHMOE_METRICS_BRIDGE_DIR"}
-        self.env = {**inherited, **_default_env(), "TMPDIR": str(self.tmp_dir), **(env or {})}
+        self.env = {
+            **config.environ_for_new_server(),
+            **_default_env(),
+            "TMPDIR": str(self.tmp_dir),
+            **(env or {}),
+        }
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> VLLMServer:
