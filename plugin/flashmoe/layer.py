@@ -166,44 +166,26 @@ class FlashMoE:
         t0 = time.perf_counter()
         # The reference implementations without their own input checks: check_call above made them.
         if self.spec.fp8_weights:
-            if self.world_size == 1:
-                result = _reference_fp8_impl(
-                    hidden_states,
-                    topk_ids,
-                    topk_weights,
-                    w13,
-                    w13_scale_inv,
-                    w2,
-                    w2_scale_inv,
-                    self.placement,
-                )
-            else:
-                result = _reference_distributed_fp8_impl(
-                    hidden_states,
-                    topk_ids,
-                    topk_weights,
-                    w13,
-                    w13_scale_inv,
-                    w2,
-                    w2_scale_inv,
-                    self.placement,
-                    self.group,
-                )
-        elif self.world_size == 1:
-            result = _reference_impl(
+            args = (
                 hidden_states,
                 topk_ids,
                 topk_weights,
                 w13,
+                w13_scale_inv,
                 w2,
+                w2_scale_inv,
                 self.placement,
-                torch.float32,
-                hidden_states.dtype,
             )
+            if self.world_size == 1:
+                result = _reference_fp8_impl(*args)
+            else:
+                result = _reference_distributed_fp8_impl(*args, self.group)
         else:
-            result = _reference_distributed_impl(
-                hidden_states, topk_ids, topk_weights, w13, w2, self.placement, self.group
-            )
+            args = (hidden_states, topk_ids, topk_weights, w13, w2, self.placement)
+            if self.world_size == 1:
+                result = _reference_impl(*args, torch.float32, hidden_states.dtype)
+            else:
+                result = _reference_distributed_impl(*args, self.group)
         metrics.record_host_call(self.layer_id, time.perf_counter() - t0, hidden_states.shape[0])
         if out is not None:
             out.copy_(result)
