@@ -21,8 +21,8 @@ import pytest
 import torch
 from flashmoe import ExpertPlacement, FlashMoE, MoELayerSpec, metrics
 from flashmoe.metrics import ring as mr
+from prom_samples import metric_samples
 from prometheus_client import REGISTRY, CollectorRegistry, Histogram
-from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = pytest.mark.skipif(not metrics.enabled(), reason="FLASHMOE_METRICS=0 in this environment")
 
@@ -366,14 +366,6 @@ CONSUMER = """
 """
 
 
-def _families(text: str) -> dict[tuple[str, tuple], float]:
-    return {
-        (smp.name, tuple(sorted(smp.labels.items()))): smp.value
-        for fam in text_string_to_metric_families(text)
-        for smp in fam.samples
-    }
-
-
 def test_worker_bridge_merges_live_workers_into_the_parent_registry():
     """vLLM with one API server: two worker processes' metrics appear on the parent's registry, merged
     into one family each, and vanish once the workers exit."""
@@ -381,7 +373,7 @@ def test_worker_bridge_merges_live_workers_into_the_parent_registry():
     lines = [json.loads(x) for x in _assert_ok(out).splitlines() if x.startswith("{")]
     live, after = lines[0]["live"], lines[1]["after"]
     assert live.count("# TYPE flashmoe_calls_total counter") == 1
-    got = _families(live)
+    got = metric_samples(live)
     for rank in ("0", "1"):
         labels = (("ep_rank", rank), ("layer", "bridge.layer0"))
         assert got[("flashmoe_calls_total", labels)] == 3
@@ -413,7 +405,7 @@ def test_per_rank_exporter_serves_this_rank_only_and_does_not_bridge(tmp_path):
     try:
         assert worker.stdout.readline().strip() == "READY", worker.stderr.read()
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-            scraped = _families(r.read().decode())
+            scraped = metric_samples(r.read().decode())
         assert scraped[("flashmoe_calls_total", (("ep_rank", "1"), ("layer", "exporter.layer0")))] == 3
         assert not any(name.startswith("process_") or name.startswith("python_") for name, _ in scraped)
         assert list(tmp_path.iterdir()) == []  # no bridge snapshot next to the exporter

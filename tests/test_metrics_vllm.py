@@ -21,7 +21,7 @@ pytest.importorskip("transformers")
 import flashmoe  # noqa: E402
 from flashmoe.demo import VLLMServer  # noqa: E402
 from flashmoe.demo.tiny_model import make_tiny_qwen3_moe, prompt_words  # noqa: E402
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+from prom_samples import metric_samples  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -40,13 +40,7 @@ def tiny_model(tmp_path_factory):
 
 def _scrape(srv: VLLMServer) -> tuple[str, dict[tuple[str, tuple], float]]:
     text = srv.get("/metrics")
-    samples = {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for fam in text_string_to_metric_families(text)
-        if fam.name.startswith("flashmoe_")
-        for s in fam.samples
-    }
-    return text, samples
+    return text, metric_samples(text, "flashmoe_")
 
 
 def _layer(samples, name: str, layer: str, **extra) -> float | None:

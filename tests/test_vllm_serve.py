@@ -20,6 +20,7 @@ pytest.importorskip("transformers")
 
 from flashmoe.demo import VLLMServer  # noqa: E402
 from flashmoe.demo.tiny_model import greedy_reference, make_tiny_qwen3_moe, prompt_words  # noqa: E402
+from prom_samples import metric_samples  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -85,8 +86,6 @@ FORCED_FALLBACK_LINE = (
 def test_forced_fallback_serves_vllms_default_path(tiny_model, prompts, reference_ids, tmp_path):
     """FLASHMOE_BACKEND=fallback where flashmoe would serve: vLLM's own MoE path (deep_ep does not import
     here, so its default one) with the decline's log line and metric; FLASHMOE_STRICT=1 fails the start."""
-    from prometheus_client.parser import text_string_to_metric_families
-
     args = SERVER_ARGS  # one rank: vLLM's own DP+EP path does not run on CPU (no all_gatherv there)
     env = {"FLASHMOE_BACKEND": "fallback", "FLASHMOE_STRICT": "0"}
     with VLLMServer(tiny_model, args, env=env, log_path=tmp_path / "server.log", startup_timeout=420) as srv:
@@ -96,11 +95,9 @@ def test_forced_fallback_serves_vllms_default_path(tiny_model, prompts, referenc
     assert log.count(FORCED_FALLBACK_LINE) == 1, srv.log_tail()  # decided once, in the API server
     assert "-> backend" not in log, "a MoE layer was built with flashmoe"
     fallbacks = {
-        s.labels.get("reason"): s.value
-        for fam in text_string_to_metric_families(scrape)
-        if fam.name == "flashmoe_fallback"
-        for s in fam.samples
-        if s.name == "flashmoe_fallback_total"
+        dict(labels).get("reason"): value
+        for (name, labels), value in metric_samples(scrape, "flashmoe_fallback_total").items()
+        if name == "flashmoe_fallback_total"
     }
     assert fallbacks == {"FLASHMOE_BACKEND=fallback": 1.0}, scrape
     assert got == reference_ids, f"vLLM's default path {got} != transformers {reference_ids}"
