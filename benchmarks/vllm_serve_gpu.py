@@ -792,6 +792,7 @@ def main() -> int:
     meta = {
         "commit": args.commit,
         "machine": f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}",
+        "gpus": args.gpus,  # the runs' DP/TP size (their names say dp4/tp4 whatever it is)
         "vllm": vllm.__version__,
         "torch": torch.__version__,
         "argv": sys.argv,
