@@ -416,3 +416,69 @@ def test_per_rank_exporter_serves_this_rank_only_and_does_not_bridge(tmp_path):
         if worker.poll() is None:
             worker.kill()
             worker.wait()
+
+
+BRIDGE_WORKER = """
+    import json, sys, torch
+    from flashmoe import metrics
+    from flashmoe.metrics import ring as mr
+    from prometheus_client import generate_latest
+    ref = metrics.register_layer("bw.ref", "reference", ep_rank=1)
+    for s in (0.004, 0.0002, 3.0):
+        metrics.record_host_call(ref, s, 10)
+    ring = torch.zeros(16, mr.RING_FIELDS, dtype=torch.int64)
+    totals = torch.zeros(4, mr.TOTALS_FIELDS, dtype=torch.int64)
+    for layer in range(3):  # megakernel layers 1..3; layer 3 was never registered (placeholder name)
+        if layer < 2:
+            metrics.register_layer(f"bw.mk{layer}", "megakernel", ep_rank=1)
+        for i in range(2):
+            epoch = 2 * layer + i + 1
+            rec = ring[epoch % 16]
+            rec[mr.SEQ], rec[mr.LAYER_ID] = epoch, layer + 1
+            rec[mr.START_NS], rec[mr.END_NS] = 10**9, 10**9 + 30_000 * (layer + 1) + i
+            rec[mr.BUSY_NS], rec[mr.NUM_BLOCKS], rec[mr.BLOCKS_DONE] = 132 * 20_000, 132, 132
+            totals[layer + 1] += torch.tensor([1, 16, 24, 4096])
+    metrics.record_fallback("bw reason")
+    metrics.attach_device_source(ring, totals, interval_s=3600)
+    metrics.flush()
+    print(json.dumps({"own": generate_latest(metrics.registry()).decode()}), flush=True)
+    sys.stdin.read()
+"""
+
+
+def test_bridge_snapshot_serves_exactly_what_the_workers_registry_holds(tmp_path):
+    """The worker writes its series as data, not Prometheus text (text formatting held the GIL ~40 ms per
+    poll in the engine's process); the serving process's collector must rebuild every sample of the
+    worker's own registry from it: histograms bucket by bucket, counters, gauges, info, fallbacks."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FLASHMOE_", "PROMETHEUS_"))}
+    env["FLASHMOE_METRICS_BRIDGE_DIR"] = str(tmp_path)
+    worker = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(BRIDGE_WORKER)],
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = worker.stdout.readline()
+        assert line.startswith("{"), f"worker said {line!r}"
+        own = metric_samples(json.loads(line)["own"], prefix="flashmoe_")
+        assert [p.name for p in tmp_path.iterdir()] == [f"flashmoe-{worker.pid}.json"]
+        from flashmoe.metrics.bridge import WorkerFilesCollector
+
+        reg = CollectorRegistry()
+        reg.register(WorkerFilesCollector(str(tmp_path)))
+        from prometheus_client import generate_latest
+
+        served = metric_samples(generate_latest(reg).decode())
+    finally:
+        worker.stdin.close()
+        worker.wait(timeout=SUBPROCESS_TIMEOUT_S)
+    own = {k: v for k, v in own.items() if not k[0].endswith("_created")}  # creation times are per process
+    assert served == pytest.approx(own)
+    mk0 = (("ep_rank", "1"), ("layer", "bw.mk0"))
+    assert served[("flashmoe_layer_latency_seconds_count", mk0)] == 2
+    assert served[("flashmoe_layer_latency_seconds_bucket", (*mk0, ("le", "5e-05")))] == 2
+    assert served[("flashmoe_calls_total", (("ep_rank", "1"), ("layer", "bw.ref")))] == 3
+    assert served[("flashmoe_fallback_total", (("reason", "bw reason"),))] == 1
+    assert ("flashmoe_calls_total", (("ep_rank", "0"), ("layer", "layer_id_3"))) in served

@@ -40,7 +40,7 @@ from .. import config
 from . import bridge
 from . import ring as layout
 from .exporter import default_rank, start_exporter
-from .families import LATENCY_BUCKETS_S, Families, observe_many
+from .families import FAMILIES, LATENCY_BUCKETS_S, Families, child_value, histogram_buckets, observe_many
 from .poller import POLL_INTERVAL_S, DeviceSource, PollerThread
 
 _lock = threading.RLock()  # registration, attach, and one poll at a time
@@ -51,6 +51,7 @@ _source: DeviceSource | None = None
 _bridge_path: str | None = None
 _dirty = False  # something changed since the bridge snapshot was written
 _host_calls: list[tuple[int, float, int]] = []  # (layer_id, seconds, tokens) not yet in the metrics
+_fallback_counts: dict[str, int] = {}  # reason -> layers, for the bridge snapshot
 
 
 @dataclass
@@ -109,8 +110,10 @@ def record_fallback(reason: str) -> None:
     global _dirty
     if not enabled():
         return
-    _get_families().fallbacks.labels(reason=reason).inc()
-    _dirty = True
+    with _lock:
+        _get_families().fallbacks.labels(reason=reason).inc()
+        _fallback_counts[reason] = _fallback_counts.get(reason, 0) + 1
+        _dirty = True
 
 
 def attach_device_source(ring: torch.Tensor, totals: torch.Tensor, *, interval_s: float = POLL_INTERVAL_S):
@@ -241,7 +244,55 @@ def _poll_once() -> None:
             _apply_device(*_source.read())
         if _bridge_path is not None and _dirty:
             _dirty = False
-            bridge.write_snapshot(_bridge_path, _get_families().registry)
+            bridge.write_snapshot(_bridge_path, _snapshot())
+
+
+def _snapshot() -> dict:
+    """This process's flashmoe series for the bridge (:func:`bridge.write_snapshot`), read off the metric
+    children. Formatting them as Prometheus text here (``write_to_textfile``: ~40 ms of Python for 48
+    layers) held the GIL long enough to stall the engine's step loop once a second (kernel-notes,
+    "host stalls"); the serving process formats them at scrape time instead."""
+    from prometheus_client.utils import floatToGoString
+
+    from .. import __version__
+
+    samples: dict[str, list] = {name: [] for name in FAMILIES}
+    hist = samples["flashmoe_layer_latency_seconds"]
+    bounds = [floatToGoString(b) for b in LATENCY_BUCKETS_S] + ["+Inf"]
+    for s in _layers:
+        if s.latency is None:
+            continue
+        labels = {"layer": s.name, "ep_rank": str(s.ep_rank)}
+        counts, total = histogram_buckets(s.latency)
+        cumulative = 0.0
+        for le, n in zip(bounds, counts, strict=True):
+            cumulative += n
+            hist.append(["flashmoe_layer_latency_seconds_bucket", {**labels, "le": le}, cumulative])
+        hist.append(["flashmoe_layer_latency_seconds_count", labels, cumulative])
+        hist.append(["flashmoe_layer_latency_seconds_sum", labels, total])
+        for family, child in (
+            ("flashmoe_calls", s.calls),
+            ("flashmoe_tokens_dispatched", s.tokens),
+            ("flashmoe_token_rows_dispatched", s.rows),
+            ("flashmoe_remote_bytes", s.remote_bytes),
+        ):
+            if child is not None:
+                samples[family].append([f"{family}_total", labels, child_value(child)])
+        if s.utilization is not None:
+            samples["flashmoe_sm_utilization_ratio"].append(
+                ["flashmoe_sm_utilization_ratio", labels, child_value(s.utilization)]
+            )
+        info = {**labels, "backend": s.backend, "version": __version__}
+        samples["flashmoe_backend_info"].append(["flashmoe_backend_info", info, 1.0])
+    for reason, n in _fallback_counts.items():
+        samples["flashmoe_fallback"].append(["flashmoe_fallback_total", {"reason": reason}, float(n)])
+    return {
+        "families": [
+            {"name": name, "type": FAMILIES[name][0], "help": FAMILIES[name][1], "samples": rows}
+            for name, rows in samples.items()
+            if rows
+        ]
+    }
 
 
 def _on_stop() -> None:

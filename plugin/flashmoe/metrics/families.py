@@ -17,6 +17,38 @@ LATENCY_BUCKETS_S = (
 )  # fmt: skip
 
 
+# Family name -> (type, help). Counters are named without ``_total`` (prometheus_client adds it to the sample).
+FAMILIES = {
+    "flashmoe_layer_latency_seconds": (
+        "histogram",
+        "MoE layer call latency (megakernel: device time of sampled calls; reference: host time)",
+    ),
+    "flashmoe_sm_utilization_ratio": (
+        "gauge",
+        "Busy block-time over blocks x elapsed of the megakernel calls read in the last poll",
+    ),
+    "flashmoe_calls": ("counter", "MoE layer calls"),
+    "flashmoe_tokens_dispatched": ("counter", "Tokens this rank fed into the layer"),
+    "flashmoe_token_rows_dispatched": (
+        "counter",
+        "Token copies dispatch sent to ranks (one per destination rank, this rank included)",
+    ),
+    "flashmoe_remote_bytes": ("counter", "Bytes sent to other ranks (dispatch + combine)"),
+    "flashmoe_fallback": ("counter", "Layers served by a fallback path instead of the megakernel"),
+    "flashmoe_backend_info": ("gauge", "1 for each flashmoe layer; labels name its backend"),
+}
+
+
+def child_value(child) -> float:
+    """A Counter or Gauge child's current value, as its sample shows it."""
+    return child._value.get()
+
+
+def histogram_buckets(child) -> tuple[list[float], float]:
+    """A Histogram child's per-bucket counts (not cumulative; the last is +Inf) and its sum."""
+    return [b.get() for b in child._buckets], child._sum.get()
+
+
 def observe_many(histogram, values: torch.Tensor) -> None:
     """``histogram.observe(v)`` for each value, in O(buckets) prometheus calls.
 
@@ -53,46 +85,48 @@ class Families:
         per_layer = ("layer", "ep_rank")
         self.latency = prom.Histogram(
             "flashmoe_layer_latency_seconds",
-            "MoE layer call latency (megakernel: device time of sampled calls; reference: host time)",
+            FAMILIES["flashmoe_layer_latency_seconds"][1],
             per_layer,
             buckets=LATENCY_BUCKETS_S,
             registry=None,
         )
         self.utilization = prom.Gauge(
             "flashmoe_sm_utilization_ratio",
-            "Busy block-time over blocks x elapsed of the megakernel calls read in the last poll",
+            FAMILIES["flashmoe_sm_utilization_ratio"][1],
             per_layer,
             multiprocess_mode="mostrecent",
             registry=None,
         )
-        self.calls = prom.Counter("flashmoe_calls_total", "MoE layer calls", per_layer, registry=None)
+        self.calls = prom.Counter(
+            "flashmoe_calls_total", FAMILIES["flashmoe_calls"][1], per_layer, registry=None
+        )
         self.tokens = prom.Counter(
             "flashmoe_tokens_dispatched_total",
-            "Tokens this rank fed into the layer",
+            FAMILIES["flashmoe_tokens_dispatched"][1],
             per_layer,
             registry=None,
         )
         self.rows = prom.Counter(
             "flashmoe_token_rows_dispatched_total",
-            "Token copies dispatch sent to ranks (one per destination rank, this rank included)",
+            FAMILIES["flashmoe_token_rows_dispatched"][1],
             per_layer,
             registry=None,
         )
         self.remote_bytes = prom.Counter(
             "flashmoe_remote_bytes_total",
-            "Bytes sent to other ranks (dispatch + combine)",
+            FAMILIES["flashmoe_remote_bytes"][1],
             per_layer,
             registry=None,
         )
         self.fallbacks = prom.Counter(
             "flashmoe_fallback_total",
-            "Layers served by a fallback path instead of the megakernel",
+            FAMILIES["flashmoe_fallback"][1],
             ("reason",),
             registry=None,
         )
         self.info = prom.Gauge(
             "flashmoe_backend_info",
-            "1 for each flashmoe layer; labels name its backend",
+            FAMILIES["flashmoe_backend_info"][1],
             (*per_layer, "backend", "version"),
             multiprocess_mode="max",
             registry=None,

@@ -140,19 +140,23 @@ class RingDecoder:
         self._last_seq[slots] = seq[slots]
         self.records_accepted += slots.numel()
         records = first[slots]
+        # Per layer without a Python loop over masks: this runs on the metrics thread of the engine's
+        # process, where every millisecond of Python holds the GIL the step loop needs.
+        records = records[torch.argsort(records[:, LAYER_ID], stable=True)]
+        layer_ids, counts = torch.unique_consecutive(records[:, LAYER_ID], return_counts=True)
+        segment = torch.repeat_interleave(torch.arange(layer_ids.numel()), counts)
         elapsed = records[:, END_NS] - records[:, START_NS]
-        capacity = records[:, NUM_BLOCKS] * elapsed
-        windows = []
-        for layer_id in torch.unique(records[:, LAYER_ID]).tolist():
-            mine = records[:, LAYER_ID] == layer_id
-            windows.append(
-                LayerWindow(
-                    layer_id=int(layer_id),
-                    latencies_s=elapsed[mine].to(torch.float64) * 1e-9,
-                    busy_ns=int(records[mine, BUSY_NS].sum()),
-                    capacity_ns=int(capacity[mine].sum()),
-                )
+        busy = torch.zeros(layer_ids.numel(), dtype=torch.int64).index_add_(0, segment, records[:, BUSY_NS])
+        capacity = torch.zeros(layer_ids.numel(), dtype=torch.int64).index_add_(
+            0, segment, records[:, NUM_BLOCKS] * elapsed
+        )
+        latencies = (elapsed.to(torch.float64) * 1e-9).split(counts.tolist())
+        windows = [
+            LayerWindow(layer_id=layer_id, latencies_s=lat, busy_ns=b, capacity_ns=c)
+            for layer_id, lat, b, c in zip(
+                layer_ids.tolist(), latencies, busy.tolist(), capacity.tolist(), strict=True
             )
+        ]
         return windows
 
 
