@@ -149,6 +149,7 @@ def markdown(doc: dict, png: Path, readme: Path) -> str:
             f"- {pair}: {a['identical']}/{a['prompts']} prompts identical over {a['tokens_per_prompt']} tokens{where}"
         )
     lines += other_ratios(runs, cmp_)
+    dp = f"DP{parallel_size(runs)}+EP"
     ratios = cmp_.get("throughput_vs_" + BASELINE, {}).get("flashmoe_dp4_ep")
     if ratios:
         cells = ", ".join(
@@ -156,7 +157,7 @@ def markdown(doc: dict, png: Path, readme: Path) -> str:
             for c, r in sorted(ratios.items(), key=lambda kv: int(kv[0]))
         )
         lines.append(
-            "\nflashmoe DP4+EP over vLLM's default DP4+EP path, output tokens/s (in brackets: decode tokens/s, "
+            f"\nflashmoe {dp} over vLLM's default {dp} path, output tokens/s (in brackets: decode tokens/s, "
             f"concurrency / median TPOT; target ≥ 1.3× output tokens/s at c=64 and c=256): {cells}."
         )
     lines += profile_tables(runs, doc.get("profile_method"))
@@ -164,11 +165,18 @@ def markdown(doc: dict, png: Path, readme: Path) -> str:
     return "\n".join(lines)
 
 
+def parallel_size(runs: dict[str, dict]) -> int:
+    """The runs' DP/TP size (``--gpus``; the run names say dp4/tp4 whatever it is); 4 for runs that predate it."""
+    return next((int(r["gpus"]) for r in runs.values() if r.get("gpus")), 4)
+
+
 def other_ratios(runs: dict[str, dict], cmp_: dict) -> list[str]:
     """One line per :data:`OTHER_RATIOS` run that was measured: its output tokens/s over BASELINE's, and for
     the forced fallback what its server showed (the decline line, the fallback counter)."""
     lines = []
+    size = parallel_size(runs)
     for name, what in OTHER_RATIOS.items():
+        what = what.replace("DP4", f"DP{size}")
         ratios = cmp_.get("throughput_vs_" + BASELINE, {}).get(name)
         run = runs.get(name, {})
         if ratios:
@@ -179,7 +187,7 @@ def other_ratios(runs: dict[str, dict], cmp_: dict) -> list[str]:
             # vLLM 0.26 turns CUDA graphs off for DeepEP high-throughput with DP > 1 (config/compilation.py)
             graphs_off = any("Disabling CUDA Graphs" in x for x in run.get("log", []))
             lines.append(
-                f"\n{what} over vLLM's default DP4+EP path, output tokens/s: {cells}"
+                f"\n{what} over vLLM's default DP{size}+EP path, output tokens/s: {cells}"
                 + (
                     " (vLLM ran this one without CUDA graphs: it turns them off for DeepEP high-throughput)."
                     if graphs_off
@@ -224,8 +232,9 @@ def latency_tails(runs: dict[str, dict], concurrencies: list[int]) -> list[str]:
 
 
 PROFILE_COLUMNS = (
-    "run", "steps × workers", "step ms", "GPU busy ms", "idle ms", "moe ms", "routing ms", "comm ms", "attention ms",
-    "gemm ms", "other ms", "gap before / after MoE µs", "gap elsewhere µs",
+    "run", "steps × workers", "step ms", "median step ms", "GPU busy ms", "idle ms", "moe ms", "routing ms", "comm ms",
+    "attention ms", "gemm ms", "other ms", "gap before / after MoE µs", "gap elsewhere µs",
+    "host gap between steps p90 / max µs (stalls > 0.5 ms)",
 )  # fmt: skip
 
 
@@ -237,7 +246,7 @@ def profile_tables(runs: dict[str, dict], method: str | None) -> list[str]:
         return []
     lines = [
         "\nDecode step under vLLM's torch profiler (per decode step, mean over the workers that had decode "
-        "steps; busy = union of GPU kernel intervals, split by kernel name into moe / routing / comm / "
+        "steps; host gaps: the worst worker's; busy = union of GPU kernel intervals, split by kernel name into moe / routing / comm / "
         "attention / gemm / other; gaps = kernel start minus the previous kernel's end"
         + (f"; {method}" if method else "")
         + "):"
@@ -261,18 +270,24 @@ def profile_tables(runs: dict[str, dict], method: str | None) -> list[str]:
             steps = f"{m['steps']} × {m['workers']}" + (
                 " (fallback: no step boundaries)" if m.get("note") else ""
             )
-            cells = [steps] + [
+            cells = [steps, f"{m['step_ms']:.3f}", _ms(m.get("step_ms_median"))] + [
                 f"{v:.3f}"
-                for v in (m["step_ms"], m["busy_ms"], m["idle_ms"])
+                for v in (m["busy_ms"], m["idle_ms"])
                 + tuple(cats[k] for k in ("moe", "routing", "comm", "attention", "gemm", "other"))
             ]
             cells += [f"{_us(gaps['before_moe'])} / {_us(gaps['after_moe'])}", _us(gaps["other"])]
+            b = m.get("step_boundary_us")  # the worst worker's (older summaries lack it)
+            cells.append(f"{b['p90']:.0f} / {b['max']:.0f} ({b['over_500']})" if b else "-")
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return lines
 
 
 def _us(v) -> str:
     return "-" if v is None else f"{v:.1f}"
+
+
+def _ms(v) -> str:
+    return "-" if v is None else f"{v:.3f}"
 
 
 def main(argv=None) -> int:

@@ -69,6 +69,24 @@ def _trace():
     return {"schemaVersion": 1, "traceEvents": ev}
 
 
+def test_a_host_stall_between_steps_is_counted_and_reaches_the_mean_row():
+    """Six decode steps 100 µs apart, except one whose next graph starts 900 µs late (a host stall: GIL, GC,
+    a DP peer): the step-boundary distribution names it, and the workers' mean row keeps the worst worker's."""
+    ev, t0 = [], 1000
+    for i in range(7):
+        ev += _graph_step(t0, corr=100 + i)
+        t0 += 1000 if i == 3 else 100  # the stall after the fourth step: 1000 - 70 µs of graph = 930 µs idle
+    stalled = sp.summarize_trace({"traceEvents": ev})
+    assert stalled["steps"] == 6
+    assert stalled["step_boundary_us"] == {"p50": 30.0, "p90": 930.0, "max": 930.0, "over_500": 1, "count": 6}
+    steady = sp.summarize_trace(
+        {"traceEvents": [e for i in range(7) for e in _graph_step(1000 + 100 * i, 100 + i)]}
+    )
+    assert steady["step_boundary_us"]["over_500"] == 0
+    mean = sp.mean_over_workers({"a": steady, "b": stalled})
+    assert mean["step_boundary_us"] == {"p90": 930.0, "max": 930.0, "over_500": 1}
+
+
 def test_categories_by_kernel_name():
     assert [sp.category(n) for n in (MOE, GEMM, ATTN, NORM, ARGMAX, NCCL)] == [
         "moe", "gemm", "attention", "other", "other", "comm",
@@ -82,6 +100,10 @@ def test_categories_by_kernel_name():
         "ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL": "comm",
         "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize64x64x64": "gemm",
         "void vllm::reshape_and_cache_flash_kernel<__nv_bfloat16>": "attention",
+        # vLLM 0.26 with --all2all-backend deepep_low_latency (names from a DP2 trace on 2xH200)
+        "batched_triton_kernel": "moe",
+        "void deep_ep::internode_ll::dispatch<false, false, 2048>(void*, void*, int*, long*)": "comm",
+        "void deep_ep::internode_ll::combine<false, 2048, 11, 4>(void*, void*, int*, void*)": "comm",
     }
     assert {n: sp.category(n) for n in vllm_path} == vllm_path
 
@@ -103,13 +125,16 @@ def test_two_decode_steps_exact_busy_idle_categories_and_gaps():
     assert ps["kernel_time_ms"]["other"] == 0.007 and ps["kernel_time_ms"]["comm"] == 0.006
     assert ps["kernels"] == 6 and ps["copy_ms"] == 0.0025
     g = s["gaps"]
-    assert g["before_moe"] == {"count_per_step": 1, "mean_us": 5.0, "per_step_us": 5.0}
-    assert g["after_moe"] == {"count_per_step": 1, "mean_us": 3.0, "per_step_us": 3.0}
-    assert g["inside_moe"] == {"count_per_step": 0, "mean_us": None, "per_step_us": 0.0}
+    assert g["before_moe"] == {"count_per_step": 1, "mean_us": 5.0, "per_step_us": 5.0, "max_us": 5.0}
+    assert g["after_moe"] == {"count_per_step": 1, "mean_us": 3.0, "per_step_us": 3.0, "max_us": 3.0}
+    assert g["inside_moe"] == {"count_per_step": 0, "mean_us": None, "per_step_us": 0.0, "max_us": None}
     # attention after gemm 2, argmax after norm 5, the overlapping all-gather 0
-    assert g["other"] == {"count_per_step": 3, "mean_us": pytest.approx(7 / 3, abs=1e-3), "per_step_us": 7.0}
+    assert g["other"] == {
+        "count_per_step": 3, "mean_us": pytest.approx(7 / 3, abs=1e-3), "per_step_us": 7.0, "max_us": 5.0,
+    }  # fmt: skip
     # 1100 - 1084 and 1200 - 1184: the host's share between steps
-    assert g["step_boundary"] == {"count_per_step": 1, "mean_us": 16.0, "per_step_us": 16.0}
+    assert g["step_boundary"] == {"count_per_step": 1, "mean_us": 16.0, "per_step_us": 16.0, "max_us": 16.0}
+    assert s["step_boundary_us"] == {"p50": 16.0, "p90": 16.0, "max": 16.0, "over_500": 0, "count": 2}
     assert sum(c["per_step_us"] for c in g.values()) == pytest.approx(ps["idle_ms"] * 1e3)
     assert s["first_in_step_us"]["moe"] == {"first": 40.0, "rest": None, "rest_per_step": 0}
     top = s["top_kernels"]

@@ -54,15 +54,19 @@ from pathlib import Path
 # Checked in this order, case-insensitive, on the kernel's (demangled) name; the first match wins.
 CATEGORIES: tuple[tuple[str, re.Pattern], ...] = (
     # flashmoe's megakernel (csrc/kernel.cu: flashmoe::moe_layer_kernel<bool>) and vLLM's Triton expert path:
-    # fused_moe_kernel, moe_align_block_size, the SwiGLU act_and_mul (Qwen3-30B has no dense MLP, so every
-    # silu is an expert's), moe_sum.
+    # fused_moe_kernel (batched_triton_kernel with DeepEP low-latency's per-expert layout),
+    # moe_align_block_size, the SwiGLU act_and_mul (Qwen3-30B has no dense MLP, so every silu is an
+    # expert's), moe_sum.
     (
         "moe",
-        re.compile(r"moe_layer_kernel|fused_moe|moe_align|count_and_sort_expert|act_and_mul|silu|moe_sum"),
+        re.compile(
+            r"moe_layer_kernel|fused_moe|batched_triton|moe_align|count_and_sort_expert|act_and_mul|silu|moe_sum"
+        ),
     ),
     # vLLM's router top-k (topkGatingSoftmax, moeSoftmax, moeTopK, grouped_topk); both paths run it.
     ("routing", re.compile(r"topk|top_k|gating|moesoftmax|moe_softmax")),
-    ("comm", re.compile(r"nccl|cross_device_reduce|all_?reduce|all_?gather|reduce_?scatter|nvshmem")),
+    # DeepEP's dispatch/combine kernels (deep_ep::internode_ll::dispatch, ...) are communication too.
+    ("comm", re.compile(r"nccl|cross_device_reduce|all_?reduce|all_?gather|reduce_?scatter|nvshmem|deep_ep")),
     (
         "attention",
         re.compile(r"attn|attention|flash_fwd|fmha|flashinfer|reshape_and_cache|concat_and_cache|_mla|mla_"),
@@ -74,6 +78,7 @@ GAP_CLASSES = ("before_moe", "after_moe", "inside_moe", "step_boundary", "other"
 # A launch replaying at least this share of the largest launch's kernels replays a whole decode step.
 FULL_GRAPH_SHARE = 0.5
 TOP_KERNELS = 15
+STALL_US = 500.0  # a host gap between decode steps longer than this counts as a stall
 TRACE_GLOB = "*.pt.trace.json*"
 _STEP_ANNOTATION = re.compile(r"execute_(?:\d+_)?context_(\d+)\(.*?\)_generation_(\d+)\(")
 
@@ -300,9 +305,13 @@ def _window(
                 "count_per_step": round(len(v) / steps, 2),
                 "mean_us": round(statistics.fmean(v), 3) if v else None,
                 "per_step_us": round(sum(v) / steps, 3),
+                "max_us": round(max(v), 3) if v else None,
             }
             for cls, v in gaps.items()
         },
+        # The host's time between two steps, as a distribution: a stall on one DP rank (GIL, GC) shows here
+        # and, through vLLM's per-step DP sync, as a long first collective on the others.
+        "step_boundary_us": _distribution(gaps["step_boundary"], STALL_US),
         "first_in_step_us": {
             cat: {
                 "first": round(statistics.fmean(f), 3) if f else None,
@@ -322,6 +331,20 @@ def _window(
             }
             for name, (n, t) in top_kernels
         ],
+    }
+
+
+def _distribution(values: list[float], stall: float) -> dict | None:
+    """p50 / p90 / max (µs) and how many exceed ``stall``."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return {
+        "p50": round(statistics.median(ordered), 1),
+        "p90": round(ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))], 1),
+        "max": round(ordered[-1], 1),
+        f"over_{stall:g}": sum(v > stall for v in ordered),
+        "count": len(ordered),
     }
 
 
@@ -409,6 +432,13 @@ def mean_over_workers(workers: dict) -> dict:
     fallback = sum(str(w.get("step_marker", "")).startswith("fallback") for w in with_steps)
     if fallback:
         mean["note"] = f"{fallback} of {n} workers without step boundaries (step_marker: fallback)"
+    boundaries = [w["step_boundary_us"] for w in with_steps if w.get("step_boundary_us")]
+    if boundaries:  # the worst worker's: one stalled rank holds every DP rank up
+        mean["step_boundary_us"] = {
+            "p90": max(b["p90"] for b in boundaries),
+            "max": max(b["max"] for b in boundaries),
+            f"over_{STALL_US:g}": max(b[f"over_{STALL_US:g}"] for b in boundaries),
+        }
     mean["gap_mean_us"] = {}
     for cls in GAP_CLASSES:
         total = sum(w["gaps"][cls]["per_step_us"] for w in with_steps)

@@ -19,14 +19,46 @@ import torch
 
 from . import config
 from .contract import MAX_LAYERS, RING_FIELDS, RING_SLOTS, STATUS_WORDS, TOTALS_FIELDS, Capacity
-from .errors import FlashMoEError
+from .errors import FlashMoEError, FlashMoETimeoutError
 
 logger = logging.getLogger("flashmoe")
 
 
+# How long the first launch waits on the host for the other EP ranks (vLLM waits 600 s for its engines).
+FIRST_LAUNCH_WAIT_S = 600.0
+
+
+def rendezvous(group, world: int, timeout_s: float = FIRST_LAUNCH_WAIT_S) -> None:
+    """Wait on the host until every rank of ``group`` is here; FlashMoETimeoutError after ``timeout_s``.
+
+    Before the first launch on a set of buffers: EP ranks reach their first MoE call far apart at start-up
+    (vLLM compiles the model in each rank: one DP2 start had rank 0 finish its 50 s torch.compile more than
+    5 s after rank 1), and a kernel launched early would spend that skew in its bounded waits and time out.
+    Every rank's first launch is the same layer's call #1 (each call is collective), so the waits pair up.
+    """
+    if world == 1 or group is None:
+        return
+    import datetime
+
+    import torch.distributed as dist
+
+    if dist.get_backend(group) != "gloo":
+        dist.barrier(group=group)  # no bounded barrier there; the engine's own timeout applies
+        return
+    try:
+        dist.monitored_barrier(group=group, timeout=datetime.timedelta(seconds=timeout_s))
+    except RuntimeError as e:
+        raise FlashMoETimeoutError(
+            f"flashmoe: not every EP rank reached its first MoE call within {timeout_s:.0f} s ({e}); "
+            "a rank of the EP group died or runs a different model"
+        ) from e
+
+
 class SymmetricBuffers:
-    def __init__(self, ops, capacity: Capacity, rank: int, device: torch.device):
+    def __init__(self, ops, capacity: Capacity, rank: int, device: torch.device, group=None, world: int = 1):
         self.ops, self.capacity, self.rank, self.device = ops, capacity, rank, device
+        self.group, self.world = group, world
+        self.launched = False  # rendezvous() before the first launch on these buffers
         self.capacity_list = capacity.as_list()  # what every launch passes: built once, not per call
         self.sym_bytes, self.workspace_bytes = ops.capacity_bytes(self.capacity_list)
         self.sym_ptr = ops.symmetric_alloc(self.sym_bytes)  # collective, zeroed: signals start at epoch 0
@@ -39,6 +71,15 @@ class SymmetricBuffers:
         self.poisoned: str | None = None
         ops.barrier_all(torch.cuda.current_stream(device).cuda_stream)
         torch.cuda.synchronize(device)
+
+    def before_launch(self) -> None:
+        """The first launch on these buffers waits for every EP rank (:func:`rendezvous`); a launch
+        inside a CUDA graph capture has no host point to wait at, so a first launch there skips it."""
+        if self.launched:
+            return
+        if not torch.cuda.is_current_stream_capturing():
+            rendezvous(self.group, self.world)
+        self.launched = True
 
     def release(self) -> None:
         torch.cuda.synchronize(self.device)
@@ -95,7 +136,7 @@ def ensure(ops, capacity: Capacity, rank: int, world: int, group, device: torch.
         capacity = current.capacity.union(capacity)
         logger.warning("flashmoe: growing buffers (collective reallocation) to %s", capacity)
         current.release()
-    buffers = SymmetricBuffers(ops, capacity, rank, device)
+    buffers = SymmetricBuffers(ops, capacity, rank, device, group, world)
     _state["buffers"] = buffers
     logger.info("%s", buffers.describe())
     return buffers

@@ -121,6 +121,7 @@ class MegaKernelLayer:
         if out is None:
             out = torch.empty_like(x)
         b = self.buffers
+        b.before_launch()
         self.ops.moe_forward(
             x,
             topk_ids,
