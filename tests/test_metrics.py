@@ -14,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 import urllib.request
 
 import flashmoe
@@ -384,6 +385,8 @@ def test_worker_bridge_merges_live_workers_into_the_parent_registry():
 
 
 def test_per_rank_exporter_serves_this_rank_only_and_does_not_bridge(tmp_path):
+    """FLASHMOE_METRICS_PORT: the rank's series on port + LOCAL_RANK, from an exporter process that the
+    rank starts and that ends with it; nothing in the bridge directory."""
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FLASHMOE_", "PROMETHEUS_"))}
     env.update(
@@ -411,6 +414,16 @@ def test_per_rank_exporter_serves_this_rank_only_and_does_not_bridge(tmp_path):
         assert list(tmp_path.iterdir()) == []  # no bridge snapshot next to the exporter
         worker.communicate("", timeout=SUBPROCESS_TIMEOUT_S)
         assert worker.returncode == 0
+        # The exporter is a process of its own (scrapes never format text in the engine's process): it
+        # stops serving once the rank is gone.
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).close()
+            except OSError:
+                break
+            assert time.monotonic() < deadline, "the exporter outlived its rank"
+            time.sleep(0.2)
     finally:
         watchdog.cancel()
         if worker.poll() is None:

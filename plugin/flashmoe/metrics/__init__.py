@@ -20,7 +20,9 @@ Metrics (labels ``layer``, ``ep_rank``)::
 Where they show up: in prometheus_client's default registry (an in-process ``/metrics``, or the
 multiprocess directory when ``PROMETHEUS_MULTIPROC_DIR`` is set: SGLang ``--enable-metrics``, vLLM
 with several API servers), through :mod:`.bridge` on vLLM's single API server, and on a per-rank
-exporter (:mod:`.exporter`) when ``FLASHMOE_METRICS_PORT`` is set. ``FLASHMOE_METRICS=0`` turns all
+exporter process (:mod:`.exporter`) when ``FLASHMOE_METRICS_PORT`` is set. The bridge and the exporter
+read a snapshot this process writes as data once a second: Prometheus text is never formatted in the
+engine's process (it held the GIL long enough to stall the step loop). ``FLASHMOE_METRICS=0`` turns all
 of it off (read once per process).
 
 This module holds the per-process state (registered layers, host-timed calls not yet folded in) and
@@ -37,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import config
-from . import bridge
+from . import bridge, exporter
 from . import ring as layout
 from .exporter import default_rank, start_exporter
 from .families import FAMILIES, LATENCY_BUCKETS_S, Families, child_value, histogram_buckets, observe_many
@@ -89,9 +91,9 @@ def register_layer(name: str, backend: str, *, ep_rank: int | None = None) -> in
         _layers.append(series)
         if enabled():
             _create_children(_get_families(), series)
-            _ensure_poller()
             if layer_id == 0:  # only where layers run: not in an API server that records a fallback
-                start_exporter(_families.registry)
+                start_exporter()
+            _ensure_poller()
         return layer_id
 
 
@@ -147,8 +149,8 @@ def flush() -> None:
 
 
 def registry():
-    """The flashmoe-only prometheus ``CollectorRegistry`` (what the per-rank exporter serves), or
-    None when metrics are off. The same metrics are also in prometheus_client's default registry."""
+    """The flashmoe-only prometheus ``CollectorRegistry`` (what the snapshots are read from), or None when
+    metrics are off. The same metrics are also in prometheus_client's default registry."""
     return _get_families().registry if enabled() else None
 
 
@@ -242,9 +244,15 @@ def _poll_once() -> None:
         _apply_host_calls()
         if _source is not None:
             _apply_device(*_source.read())
-        if _bridge_path is not None and _dirty:
+        target = _snapshot_target()
+        if target is not None and _dirty:
             _dirty = False
-            bridge.write_snapshot(_bridge_path, _snapshot())
+            bridge.write_snapshot(target, _snapshot())
+
+
+def _snapshot_target() -> str | None:
+    """Where this process's snapshot goes: its exporter process's file, else the bridge's, else nowhere."""
+    return exporter.snapshot_path() or _bridge_path
 
 
 def _snapshot() -> dict:
@@ -296,8 +304,9 @@ def _snapshot() -> dict:
 
 
 def _on_stop() -> None:
-    if _bridge_path is not None:
-        bridge.remove_snapshot(_bridge_path)
+    target = _snapshot_target()
+    if target is not None:
+        bridge.remove_snapshot(target)
     if _source is not None:
         _source.close()
 

@@ -15,8 +15,8 @@ API server and no user-set ``PROMETHEUS_MULTIPROC_DIR``:
   a 48-layer model, and the GIL it held stalled the engine's step loop; the serving process builds the
   families at scrape time.
 
-Workers with a per-rank exporter (``FLASHMOE_METRICS_PORT``) do not write snapshots: a scrape of
-both would count every series twice. Files of dead processes are dropped at scrape time; the serving
+Workers with a per-rank exporter (``FLASHMOE_METRICS_PORT``) write their snapshot for the exporter process
+(:mod:`.exporter`) instead: a scrape of both would count every series twice. Files of dead processes are dropped at scrape time; the serving
 process skips its own file (its metrics are in its registry already).
 """
 
