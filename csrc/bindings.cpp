@@ -87,7 +87,8 @@ void check_cuda(const at::Tensor& t, const char* name, at::ScalarType dtype, con
 
 void moe_forward(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights, const at::Tensor& w13,
                  const at::Tensor& w2, const std::optional<at::Tensor>& w13_scale,
-                 const std::optional<at::Tensor>& w2_scale, const at::Tensor& expert_rank, const at::Tensor& expert_local, at::Tensor& out,
+                 const std::optional<at::Tensor>& w2_scale, const std::optional<at::Tensor>& padding_marker,
+                 const at::Tensor& expert_rank, const at::Tensor& expert_local, at::Tensor& out,
                  const at::Tensor& workspace, const at::Tensor& status, const at::Tensor& metrics_ring,
                  const at::Tensor& metrics_totals, int64_t sym, std::vector<int64_t> capacity,
                  std::vector<int64_t> runtime, int64_t stream) {
@@ -102,6 +103,10 @@ void moe_forward(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tens
   check_cuda(w2, "w2", w13.scalar_type(), dev);
   TORCH_CHECK(fp8 == (w13_scale.has_value() && w2_scale.has_value()) && w13_scale.has_value() == w2_scale.has_value(),
               fp8 ? "fp8 weights need w13_scale_inv and w2_scale_inv" : "scales are for fp8 (float8_e4m3fn) weights");
+  if (padding_marker.has_value()) {
+    check_cuda(*padding_marker, "padding_marker", at::kLong, dev);
+    TORCH_CHECK(padding_marker->numel() >= 1, "padding_marker must have at least one element");
+  }
   check_cuda(expert_rank, "expert_rank", at::kInt, dev);
   check_cuda(expert_local, "expert_local", at::kInt, dev);
   check_cuda(out, "out", at::kBFloat16, dev);
@@ -143,6 +148,7 @@ void moe_forward(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tens
   a.expert_rank = expert_rank.data_ptr();
   a.expert_local = expert_local.data_ptr();
   a.out = out.data_ptr();
+  a.padding_marker = padding_marker.has_value() ? padding_marker->data_ptr() : nullptr;
   a.sym = reinterpret_cast<void*>(sym);
   a.workspace = workspace.data_ptr();
   a.status = status.data_ptr();
@@ -170,7 +176,7 @@ TORCH_LIBRARY(FLASHMOE_OPS, m) {
   m.def("trace_dump() -> Tensor[]", &trace_dump);
   m.def(
       "moe_forward(Tensor hidden_states, Tensor topk_ids, Tensor topk_weights, Tensor w13, Tensor w2, "
-      "Tensor? w13_scale_inv, Tensor? w2_scale_inv, Tensor expert_rank, Tensor expert_local, Tensor(a!) out, Tensor workspace, Tensor status, "
+      "Tensor? w13_scale_inv, Tensor? w2_scale_inv, Tensor? padding_marker, Tensor expert_rank, Tensor expert_local, Tensor(a!) out, Tensor workspace, Tensor status, "
       "Tensor metrics_ring, Tensor metrics_totals, int sym, int[] capacity, int[] runtime, int stream) -> ()",
       &moe_forward);
 }

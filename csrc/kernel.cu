@@ -192,6 +192,7 @@ void launch(const LaunchArgs& a, const Capacity& cap, cudaStream_t stream) {
   p.expert_rank = static_cast<const int*>(a.expert_rank);
   p.expert_local = static_cast<const int*>(a.expert_local);
   p.out = static_cast<bf16*>(a.out);
+  p.padding_marker = static_cast<const int64_t*>(a.padding_marker);
   p.sym = static_cast<char*>(a.sym);
   p.sym_off = sym_layout(cap);
   p.ws = static_cast<char*>(a.workspace);

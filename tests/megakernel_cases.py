@@ -68,7 +68,7 @@ from moe_inputs import (
 from multiproc import RanksTimedOut, apply_rank_env, run_ranks
 from tolerances import WEIGHT_DTYPES, ErrorStats, error_stats, kernel_budgets
 
-CHECKS = ("matrix", "graph", "determinism", "stress", "put", "nodes", "timeout")
+CHECKS = ("matrix", "graph", "determinism", "stress", "put", "nodes", "padding", "timeout")
 
 # The shape grid of issue 3, with draw weights biased toward small values (see draw_configs).
 EXPERTS = {8: 0.3, 32: 0.3, 128: 0.25, 256: 0.15}
@@ -355,11 +355,11 @@ def make_layer(ctx: RankContext, case: RankCase, name: str, env: dict | None = N
     return layer
 
 
-def run_layer(layer: FlashMoE, x, ids, w, w13, w2, **scales) -> torch.Tensor:
-    """One call into an ``out=`` poisoned with NaN, so unwritten rows show up as non-finite. ``scales``:
-    an fp8 layer's ``w13_scale_inv``/``w2_scale_inv`` (:attr:`RankCase.scales`)."""
+def run_layer(layer: FlashMoE, x, ids, w, w13, w2, **kwargs) -> torch.Tensor:
+    """One call into an ``out=`` poisoned with NaN, so unwritten rows show up as non-finite. ``kwargs``:
+    an fp8 layer's ``w13_scale_inv``/``w2_scale_inv`` (:attr:`RankCase.scales`), a ``padding_marker``."""
     out = torch.full_like(x, float("nan"))
-    got = layer(x, ids, w, w13, w2, out=out, **scales)
+    got = layer(x, ids, w, w13, w2, out=out, **kwargs)
     if got is not out:
         raise AssertionError("FlashMoE did not return the out= tensor it was given")
     return out
@@ -612,6 +612,58 @@ def check_variant(
     return records
 
 
+def check_padding(
+    ctx: RankContext, seed: int, tiny: bool = False, dtype: str = "bf16", replays: int = 40
+) -> dict:
+    """Padding calls (``padding_marker`` with a negative first entry: a DP rank's dummy step). Every rank
+    but 0 pads: they must get exact zeros, and rank 0 what its own rows give (its outputs never depend on
+    other ranks' tokens). Then one CUDA graph with a marker buffer, replayed while the pattern of padding
+    ranks changes: each replay must equal the eager call of its pattern bit for bit (the marker is read on
+    the device at replay, not baked into the capture)."""
+    cfg = fixed(DETERMINISM_CONFIGS[0], seed, dtype, tiny)
+    record = new_record("padding", ctx, cfg, replays=replays if ctx.cuda else 0)
+
+    def marker(pads: bool) -> torch.Tensor:
+        return torch.tensor([-1 if pads else 3], dtype=torch.int64, device=ctx.device)
+
+    def body():
+        case = build_rank_case(cfg, ctx.world, ctx.rank, ctx.device)
+        layer = make_layer(ctx, case, f"padding_{dtype}")
+        # Pattern p pads rank r when (r + p) is odd, so rank 0 pads in pattern 1 and the others take turns.
+        patterns = [(ctx.rank + p) % 2 == 1 for p in range(2)]
+        eager = [run_layer(layer, *case.inputs, **case.scales, padding_marker=marker(m)) for m in patterns]
+        ctx.sync()
+        ref, zeros = case.reference(), torch.zeros_like(case.x)
+        stats = {"ref": ErrorStats()}
+        for out, pads in zip(eager, patterns, strict=True):
+            stats["ref"] = stats["ref"].merge(error_stats(out, zeros if pads else ref))
+        mismatched = 0
+        if ctx.cuda:
+            static_marker = marker(patterns[0])
+            static_out = torch.empty_like(case.x)
+            side = torch.cuda.Stream(ctx.device)
+            side.wait_stream(torch.cuda.current_stream(ctx.device))
+            with torch.cuda.stream(side):
+                layer(*case.inputs, out=static_out, **case.scales, padding_marker=static_marker)
+            torch.cuda.current_stream(ctx.device).wait_stream(side)
+            ctx.sync()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                layer(*case.inputs, out=static_out, **case.scales, padding_marker=static_marker)
+            bad = torch.zeros((), dtype=torch.int64, device=ctx.device)
+            for i in range(replays):
+                p = random.Random(seed + i).randrange(2)  # the same draw on every rank
+                static_marker.copy_(marker(patterns[p]))
+                static_out.fill_(float("nan"))
+                graph.replay()
+                bad += (static_out != eager[p]).any()
+            ctx.sync()
+            mismatched = int(bad)
+        return stats, mismatched == 0, {"replays_not_bitwise_eager": mismatched}
+
+    return guarded(ctx, record, body, cfg.budgets(("ref",)))
+
+
 def world_worker(rank: int, world: int, port: int, task: dict, out_dir: str) -> None:
     """Rank entry point of a world run: every check in ``task["checks"]`` except ``timeout``, the matrix
     over ``task["configs"]`` (each with its dtype), the fixed-configuration checks once per dtype of
@@ -647,6 +699,8 @@ def world_worker(rank: int, world: int, port: int, task: dict, out_dir: str) -> 
                 check_variant(ctx, "put", {"FLASHMOE_FORCE_PUT": "1"}, seed, tiny, dtype)
             if "nodes" in checks and world >= 2:
                 check_variant(ctx, "nodes", {"FLASHMOE_NODE_SIZE": str(world // 2)}, seed, tiny, dtype)
+            if "padding" in checks:
+                check_padding(ctx, seed, tiny, dtype)
         dist.barrier()
     except WorldAborted as e:
         # Poisoned: skip NCCL/NVSHMEM teardown, which may wait on the peer that never came.

@@ -174,6 +174,18 @@ def test_two_simulated_nodes_are_bitwise_identical(world, dtype, world_run):
 
 
 @pytest.mark.parametrize("dtype", WEIGHT_DTYPES)
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.gpu
+@pytest.mark.timeout(WORLD_LIMIT_S + 120)
+def test_padding_calls_send_nothing_get_zeros_and_follow_the_marker_under_graphs(world, dtype, world_run):
+    """padding_marker < 0 (a DP rank's dummy step): zeros there, the other ranks' rows unaffected, and a
+    captured graph follows the marker's value at every replay."""
+    recs = records_of(world_run(world), "padding", dtype)
+    assert recs and all(r["passed"] for r in recs), failures(recs)
+    assert all(r["replays_not_bitwise_eager"] == 0 and r["replays"] > 0 for r in recs)
+
+
+@pytest.mark.parametrize("dtype", WEIGHT_DTYPES)
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.gpu
 @pytest.mark.timeout(180)
@@ -247,7 +259,7 @@ def test_harness_runs_on_cpu_with_reference_backend(tmp_path):
     task = gpu_task(configs) | {
         "device": "cpu",
         "tiny": True,
-        "checks": ["matrix", "determinism", "stress", "put", "nodes"],
+        "checks": ["matrix", "determinism", "stress", "put", "nodes", "padding"],
     }
     result = run_world(2, task, tmp_path, limit_s=150)
     assert result["error"] is None, result["error"]
@@ -259,6 +271,7 @@ def test_harness_runs_on_cpu_with_reference_backend(tmp_path):
             "stress",
             "put",
             "nodes",
+            "padding",
         }
         matrix = records_of(result, "matrix", dtype)
         assert len(matrix) == 4 and all(r["config"]["dtype"] == dtype for r in matrix)

@@ -63,6 +63,10 @@ def test_serve_matches_transformers(topology, tiny_model, prompts, reference_ids
         log = srv.log_path.read_text(errors="replace")
     assert "flashmoe: MoE layers E=8 top_k=2 H=128 I=64 float32 -> backend reference" in log, srv.log_tail()
     assert f"flashmoe: MoE layers run in token mode {mode} (" in log, srv.log_tail()
+    # Dummy steps (DP2: the rank without a request) are padding calls: they must not change a token.
+    assert "flashmoe: padding steps: a DP rank's dummy steps (slot mapping -1) send no tokens" in log, (
+        srv.log_tail()
+    )
     for rank in range(ep_size):
         assert f"EP rank {rank}/{ep_size} owns {8 // ep_size} experts" in log, srv.log_tail()
     assert got == reference_ids, f"{topology}: vLLM+flashmoe {got} != transformers {reference_ids}"

@@ -19,6 +19,7 @@ struct LaunchArgs {
   const void *x, *topk_ids, *topk_weights, *w13, *w2, *expert_rank, *expert_local;
   const void *w13_scale, *w2_scale;                 // fp8: fp32 [E_l, 2I/128, H/128], [E_l, H/128, I/128]
   void* out;
+  const void* padding_marker;  // null, or int64 [>=1]: a negative first entry makes every token padding
   void* sym;        // this rank's symmetric region (nvshmem_malloc)
   void* workspace;  // local, zero-initialised once
   void* status;     // host-mapped Status

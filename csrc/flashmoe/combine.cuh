@@ -2,7 +2,7 @@
 // id contributes once per slot, from the row computed for its first slot).
 // y[t,j] was written into our combine buffer by the rank owning expert topk_ids[t,j]. The fixed order and the
 // absence of atomics make the output bitwise reproducible. Every row of `out` is written (zeros if no slot
-// is valid).
+// is valid, and in a padding call).
 //
 // One warp per (token, 256-column chunk), chunks of a token on neighbouring items, items spread over the
 // blocks first: a decode call's few tokens still use many SMs, and each lane has the rows of all (up to 8)
@@ -17,7 +17,7 @@ namespace flashmoe {
 constexpr int kCombineColumns = 32 * 8;  // a warp's chunk: 8 bf16 per lane
 constexpr int kCombineBatch = 8;         // slot rows loaded before their multiply-adds
 
-__device__ void combine_tokens(const Params& p) {
+__device__ void combine_tokens(const Params& p, bool padding) {
   const int lane = threadIdx.x & 31;
   const int warps_total = gridDim.x * kWarps;
   const int warp_global = grid_warp_index();
@@ -31,7 +31,7 @@ __device__ void combine_tokens(const Params& p) {
     // Lane j holds slot j's weight (0 for skipped slots); every slot's weight and source row are broadcast
     // before the column work, which only some lanes do when H is not a multiple of 256 (no shuffle there).
     const int id = lane < k ? __ldg(p.topk_ids + static_cast<int64_t>(t) * k + lane) : -1;
-    const bool routed = id >= 0 && id < p.num_experts;  // same rule as dispatch
+    const bool routed = !padding && id >= 0 && id < p.num_experts;  // same rule as dispatch
     const float w = routed ? __ldg(p.topk_weights + static_cast<int64_t>(t) * k + lane) : 0.f;
     const unsigned valid = __ballot_sync(0xffffffffu, routed);
     // A repeated expert id was computed once, in the row of its first slot (dispatch.cuh).

@@ -102,9 +102,9 @@ __device__ __forceinline__ void send_row_fp8(const Params& p, const PeerTable& p
   }
 }
 
-// Returns the token-rank rows this warp sent (metrics).
+// Returns the token-rank rows this warp sent (metrics). A padding call (params.cuh) sends nothing.
 template <bool kFp8>
-__device__ int dispatch_tokens(const Params& p, const PeerTable& peers) {
+__device__ int dispatch_tokens(const Params& p, const PeerTable& peers, bool padding) {
   int rows_sent = 0;
   const int lane = threadIdx.x & 31;
   const int warps_total = gridDim.x * kWarps;
@@ -114,7 +114,8 @@ __device__ int dispatch_tokens(const Params& p, const PeerTable& peers) {
   const int64_t mstride = meta_stride(k);
   uint32_t* send_count = ws_ptr<uint32_t>(p, p.ws_off.rank_send_count);
 
-  for (int t = warp_global; t < p.num_tokens; t += warps_total) {
+  const int num_tokens = padding ? 0 : p.num_tokens;
+  for (int t = warp_global; t < num_tokens; t += warps_total) {
     int e = lane < k ? __ldg(p.topk_ids + static_cast<int64_t>(t) * k + lane) : -1;
     if (e >= p.num_experts) e = -1;  // out-of-range ids are skipped, never read out of bounds
     // A slot naming the same expert as an earlier slot of this row is computed once: its metadata entry is -1

@@ -37,7 +37,7 @@ __device__ __forceinline__ void mark_phase_end(const Params& p, uint32_t epoch, 
 }
 
 // Block 0, thread 0, at kernel start: the record is incomplete (seq 0) until the last block publishes it.
-__device__ void open_record(const Params& p, uint32_t epoch, uint64_t start_ns) {
+__device__ void open_record(const Params& p, uint32_t epoch, uint64_t start_ns, int tokens_in) {
   int64_t* rec = ring_record(p, epoch);
   // The phase-end fields are not cleared: other blocks may already have marked this call's dispatch end, and
   // what the slot held (a call kRingSlots earlier) is older than any time of this call, so atomicMax is right.
@@ -45,14 +45,14 @@ __device__ void open_record(const Params& p, uint32_t epoch, uint64_t start_ns) 
   rec[kRingLayerId] = p.layer_id;
   rec[kRingStartNs] = static_cast<int64_t>(start_ns);
   rec[kRingNumBlocks] = gridDim.x;
-  rec[kRingTokensIn] = p.num_tokens;
+  rec[kRingTokensIn] = tokens_in;
   rec[kRingWorldSize] = p.world_size;
   __threadfence();
 }
 
 // Thread 0 of every block, at its end. The last block to arrive completes the record and the totals.
 __device__ void publish_metrics(const Params& p, uint32_t epoch, uint64_t busy_ns, int64_t rows_sent,
-                                int64_t remote_bytes, int rows_received) {
+                                int64_t remote_bytes, int rows_received, int tokens_in) {
   int64_t* rec = ring_record(p, epoch);
   unsigned long long* u = reinterpret_cast<unsigned long long*>(rec);
   atomicAdd(u + kRingBusyNs, static_cast<unsigned long long>(busy_ns));
@@ -67,7 +67,7 @@ __device__ void publish_metrics(const Params& p, uint32_t epoch, uint64_t busy_n
     unsigned long long* totals =
         reinterpret_cast<unsigned long long*>(p.metrics_totals) + static_cast<int64_t>(p.layer_id) * kTotalsFields;
     atomicAdd(totals + kTotalCalls, 1ull);
-    atomicAdd(totals + kTotalTokensIn, static_cast<unsigned long long>(p.num_tokens));
+    atomicAdd(totals + kTotalTokensIn, static_cast<unsigned long long>(tokens_in));
     atomicAdd(totals + kTotalRowsDispatched, static_cast<unsigned long long>(atomicAdd(u + kRingRowsDispatched, 0ull)));
     atomicAdd(totals + kTotalRemoteBytes, static_cast<unsigned long long>(atomicAdd(u + kRingRemoteBytes, 0ull)));
     atomicExch(u + kRingSeq, static_cast<unsigned long long>(epoch));

@@ -46,6 +46,9 @@ __device__ void moe_layer(const Params& p) {
   const bool producer = threadIdx.x < kProducerThreads;
 
   trace_begin();
+  // An engine's padding call (params.cuh): no tokens leave this rank and its output is zeros.
+  const bool padding = p.padding_marker != nullptr && __ldg(p.padding_marker) < 0;
+  const int tokens_in = padding ? 0 : p.num_tokens;
   if (threadIdx.x == 0) {
     uint32_t e = *ws_ptr<volatile uint32_t>(p, p.ws_off.epoch) + 1;
     sh.epoch = e == 0 ? 1 : e;  // 0 is the never-signalled value
@@ -58,13 +61,13 @@ __device__ void moe_layer(const Params& p) {
     bool any = false;
     for (int r = 0; r < p.world_size; ++r) any = any || !use_p2p(sh.peers, r);
     sh.any_proxied = any;
-    if (p.metrics && blockIdx.x == 0) open_record(p, epoch, globaltimer_ns());
+    if (p.metrics && blockIdx.x == 0) open_record(p, epoch, globaltimer_ns(), tokens_in);
   }
   trace(kTraceStart, epoch);
 
   // 1. Dispatch.
   clock.start();
-  const int warp_rows_sent = dispatch_tokens<kFp8>(p, sh.peers);
+  const int warp_rows_sent = dispatch_tokens<kFp8>(p, sh.peers, padding);
   const int rows_sent = (threadIdx.x & 31) == 0 ? warp_rows_sent : 0;  // every lane counted the warp's rows
   __threadfence_system();  // our NVLink stores are visible before any signal that follows the barrier
   clock.stop();
@@ -134,7 +137,7 @@ __device__ void moe_layer(const Params& p) {
   wait_combine(p, epoch);
   trace(kTraceCombineWaitDone);
   clock.start();
-  combine_tokens(p);
+  combine_tokens(p, padding);
   clock.stop();
   trace(kTraceEnd);
 
@@ -147,7 +150,7 @@ __device__ void moe_layer(const Params& p) {
     __syncthreads();
     if (threadIdx.x == 0)
       publish_metrics(p, epoch, clock.busy, static_cast<int64_t>(block_rows), static_cast<int64_t>(block_bytes),
-                      blockIdx.x == 0 ? sh.recv.total : 0);
+                      blockIdx.x == 0 ? sh.recv.total : 0, tokens_in);
   }
 }
 

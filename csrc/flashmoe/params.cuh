@@ -37,6 +37,10 @@ struct Params {
   const int* expert_rank;      // [E]
   const int* expert_local;     // [E]
   bf16* out;                   // [T, H]
+  // null, or int64 [>=1], read on the device at launch: a negative first entry marks every token of this call
+  // as an engine's padding (a DP rank's dummy step): the rank dispatches nothing and writes zeros, but still
+  // takes part in the call (the GEMMs of other ranks' rows, the signals).
+  const int64_t* padding_marker;
 
   // Symmetric heap (local addresses) and local workspace.
   char* sym;

@@ -8,7 +8,8 @@ router's ``(topk_ids, topk_weights)`` and the layer's weights (and, for block-fp
 quantises them itself.
 Routing stays in vLLM; ``--all2all-backend`` stays at its default and allocates nothing.
 Under TP+EP (tokens replicated over the EP group) the experts half runs FlashMoE on the rank's slice
-of the tokens and all-gathers the combined slices (:mod:`.token_slicing`).
+of the tokens and all-gathers the combined slices (:mod:`.token_slicing`). A DP rank's dummy steps send
+no tokens to the experts (:mod:`.padding`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import TopKWeightAndReduceNoOP
 
 from . import compat
+from .padding import padding_marker
 from .token_slicing import TP_SLICED, sliced_forward
 
 
@@ -53,11 +55,13 @@ class FlashMoEExperts(mk.FusedMoEExpertsModular):
         token_mode: str,
         ep_group=None,
         scales: dict[str, torch.Tensor] | None = None,
+        padding_markers: bool = False,
     ):
         """``token_mode``: :data:`.token_slicing.TP_SLICED` or ``FULL``; ``ep_group``: vLLM's EP
         ``GroupCoordinator`` (needed for the all-gather in tp-sliced mode); ``scales``: the
         ``w13_scale_inv``/``w2_scale_inv`` keyword arguments of every call (block-fp8 layers: the
-        layer's ``*_weight_scale_inv`` parameters, read in place)."""
+        layer's ``*_weight_scale_inv`` parameters, read in place); ``padding_markers``: pass vLLM's slot
+        mapping as the call's padding marker (:func:`.padding.markers_usable`)."""
         super().__init__(moe_config, quant_config)
         self.flashmoe = flashmoe
         self.scales = dict(scales or {})
@@ -65,6 +69,7 @@ class FlashMoEExperts(mk.FusedMoEExpertsModular):
         if token_mode == TP_SLICED and (ep_group is None or ep_group.world_size != flashmoe.world_size):
             raise ValueError("tp-sliced token mode needs the EP group FlashMoE runs over")
         self.ep_group = ep_group
+        self.padding_markers = padding_markers
 
     @staticmethod
     def activation_format() -> mk.FusedMoEActivationFormat:
@@ -132,7 +137,11 @@ class FlashMoEExperts(mk.FusedMoEExpertsModular):
         # (rank, local slot), so vLLM's expert_map is not needed here.
         topk_ids = topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)
         topk_weights = topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()
-        moe = functools.partial(self.flashmoe, **self.scales) if self.scales else self.flashmoe
+        kwargs = dict(self.scales)
+        marker = padding_marker(hidden_states.shape[0]) if self.padding_markers else None
+        if marker is not None:
+            kwargs["padding_marker"] = marker
+        moe = functools.partial(self.flashmoe, **kwargs) if kwargs else self.flashmoe
         if self.token_mode == TP_SLICED:
             sliced_forward(
                 moe,

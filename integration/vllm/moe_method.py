@@ -31,6 +31,7 @@ from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import Un
 from . import compat
 from .kernel import FlashMoEExperts, FlashMoEPrepareFinalize
 from .log import logger
+from .padding import markers_usable
 from .token_slicing import TP_SLICED, sliced_max_tokens, token_mode
 
 # One log line per distinct (backend, reason, shape) per process, not one per layer.
@@ -133,6 +134,8 @@ class FlashMoEServing:
         self.moe_quant_config = self._flashmoe_quant_config(layer)
         from vllm.distributed import get_ep_group
 
+        markers, markers_why = markers_usable()
+
         self.moe_kernel = mk.FusedMoEKernel(
             FlashMoEPrepareFinalize(),
             FlashMoEExperts(
@@ -142,12 +145,14 @@ class FlashMoEServing:
                 mode,
                 get_ep_group() if mode == TP_SLICED else None,
                 self._scale_kwargs(layer),
+                padding_markers=markers,
             ),
         )
         _log_layer(self.flashmoe)
         _log_once(
             ("token_mode", mode, mode_why), "flashmoe: MoE layers run in token mode %s (%s)", mode, mode_why
         )
+        _log_once(("padding", markers_why), "flashmoe: padding steps: %s", markers_why)
         return True
 
 

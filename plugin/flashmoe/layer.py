@@ -106,6 +106,7 @@ class FlashMoE:
         *,
         w13_scale_inv=None,
         w2_scale_inv=None,
+        padding_marker=None,
     ) -> torch.Tensor:
         return self.forward(
             hidden_states,
@@ -116,6 +117,7 @@ class FlashMoE:
             out=out,
             w13_scale_inv=w13_scale_inv,
             w2_scale_inv=w2_scale_inv,
+            padding_marker=padding_marker,
         )
 
     def forward(
@@ -129,10 +131,14 @@ class FlashMoE:
         *,
         w13_scale_inv: torch.Tensor | None = None,
         w2_scale_inv: torch.Tensor | None = None,
+        padding_marker: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``out`` (optional, [T, H], input dtype, same device): written in full and returned.
         ``w13_scale_inv``/``w2_scale_inv``: the block scales, required exactly when the spec's weights
-        are block-fp8."""
+        are block-fp8. ``padding_marker`` (optional, int64 [>=1], same device): a negative first entry
+        makes the whole call an engine's padding step (a DP rank's dummy batch): this rank sends no
+        tokens to the experts and gets zeros back, but still serves the other ranks' tokens. Read on the
+        device by the megakernel (graph-safe); see :mod:`flashmoe.validation`."""
         self._check_scales_given(w13_scale_inv, w2_scale_inv)
         on_gpu = self._kernel is not None
         # One set of checks for both backends; the GPU path skips only the id range (it would need a sync).
@@ -151,6 +157,7 @@ class FlashMoE:
             contiguous=on_gpu,
             w13_scale_inv=w13_scale_inv,
             w2_scale_inv=w2_scale_inv,
+            padding_marker=padding_marker,
         )
         if on_gpu:
             return self._kernel.forward(
@@ -162,7 +169,15 @@ class FlashMoE:
                 out,
                 w13_scale_inv=w13_scale_inv,
                 w2_scale_inv=w2_scale_inv,
+                padding_marker=padding_marker,
             )
+        tokens_in = hidden_states.shape[0]
+        if padding_marker is not None:
+            # The megakernel's rule: no slot routed, so zeros out; the collectives still run. A mask on the
+            # device (no host read of the marker: the reference may run on a GPU, under graph capture).
+            topk_ids = topk_ids.masked_fill(padding_marker[0] < 0, -1)
+            if not padding_marker.is_cuda and int(padding_marker[0]) < 0:
+                tokens_in = 0
         t0 = time.perf_counter()
         # The reference implementations without their own input checks: check_call above made them.
         if self.spec.fp8_weights:
@@ -186,7 +201,7 @@ class FlashMoE:
                 result = _reference_impl(*args, torch.float32, hidden_states.dtype)
             else:
                 result = _reference_distributed_impl(*args, self.group)
-        metrics.record_host_call(self.layer_id, time.perf_counter() - t0, hidden_states.shape[0])
+        metrics.record_host_call(self.layer_id, time.perf_counter() - t0, tokens_in)
         if out is not None:
             out.copy_(result)
             return out

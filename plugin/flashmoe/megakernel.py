@@ -113,7 +113,16 @@ class MegaKernelLayer:
         return _buffers.current()
 
     def forward(
-        self, x, topk_ids, topk_weights, w13, w2, out=None, w13_scale_inv=None, w2_scale_inv=None
+        self,
+        x,
+        topk_ids,
+        topk_weights,
+        w13,
+        w2,
+        out=None,
+        w13_scale_inv=None,
+        w2_scale_inv=None,
+        padding_marker=None,
     ) -> torch.Tensor:
         """bf16 weights, or block-fp8 ones (``float8_e4m3fn`` with their ``*_scale_inv``, read in place)."""
         check_status(self.buffers, self.topology)
@@ -130,6 +139,7 @@ class MegaKernelLayer:
             w2,
             w13_scale_inv,
             w2_scale_inv,
+            padding_marker,
             self.expert_rank,
             self.expert_local,
             out,

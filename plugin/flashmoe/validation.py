@@ -13,6 +13,10 @@ intermediate, E global experts, E_local = the placement's experts on this rank):
     w13            [E_local, 2I, H]  gate rows then up rows, this rank's experts in local-index order
     w2             [E_local, H, I]
     out (optional) [T, H]            hidden_states' dtype and device; written in full
+    padding_marker (optional) [>=1] int64, hidden_states' device: if its first entry is negative, every
+                   token of the call is an engine's padding (a DP rank's dummy step): no expert work for
+                   it, zeros out; the call still runs (collective). Read on the device: graph-safe. vLLM's
+                   slot mapping is one (-1 on dummy steps).
 
 The fp8 path (:mod:`flashmoe.reference_fp8`) takes the weights as vLLM and SGLang load a block-fp8
 checkpoint, read in place (``*_scale_inv``: one fp32 scale per 128 x 128 block, dequantised weight =
@@ -155,6 +159,7 @@ def check_call(
     contiguous: bool = False,
     w13_scale_inv=None,
     w2_scale_inv=None,
+    padding_marker=None,
 ) -> None:
     """One call's inputs (see the module docstring for the contract).
 
@@ -235,6 +240,17 @@ def check_call(
             f"out must be {tuple(hidden_states.shape)} {hidden_states.dtype} on {hidden_states.device}, "
             f"got {tuple(out.shape)} {out.dtype} on {out.device}"
         )
+    if padding_marker is not None:
+        require_tensor("padding_marker", padding_marker)
+        if padding_marker.dtype != torch.int64 or padding_marker.dim() != 1 or padding_marker.numel() < 1:
+            raise ValueError(
+                f"padding_marker must be a 1-D int64 tensor with at least one element, got "
+                f"{padding_marker.dtype} {tuple(padding_marker.shape)}"
+            )
+        if padding_marker.device != hidden_states.device:
+            raise ValueError(
+                f"padding_marker is on {padding_marker.device}, hidden_states on {hidden_states.device}"
+            )
     if check_ids and topk_ids.numel():
         lo, hi = int(topk_ids.min()), int(topk_ids.max())
         if lo < -1 or hi >= placement.num_experts:

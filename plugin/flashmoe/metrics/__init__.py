@@ -258,8 +258,8 @@ def _snapshot_target() -> str | None:
 def _snapshot() -> dict:
     """This process's flashmoe series for the bridge (:func:`bridge.write_snapshot`), read off the metric
     children. Formatting them as Prometheus text here (``write_to_textfile``: ~40 ms of Python for 48
-    layers) held the GIL long enough to stall the engine's step loop once a second (kernel-notes,
-    "host stalls"); the serving process formats them at scrape time instead."""
+    layers) held the GIL long enough to stall the engine's step loop once a second (benchmarks/kernel-notes.md,
+    "What the serving profile showed"); the serving process formats them at scrape time instead."""
     from prometheus_client.utils import floatToGoString
 
     from .. import __version__
