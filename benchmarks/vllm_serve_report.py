@@ -234,7 +234,7 @@ def latency_tails(runs: dict[str, dict], concurrencies: list[int]) -> list[str]:
 PROFILE_COLUMNS = (
     "run", "steps × workers", "step ms", "median step ms", "GPU busy ms", "idle ms", "moe ms", "routing ms", "comm ms",
     "attention ms", "gemm ms", "other ms", "gap before / after MoE µs", "gap elsewhere µs",
-    "host gap between steps p90 / max µs (stalls > 0.5 ms)",
+    "host gap between steps p90 / max µs (stalls > 0.5 ms)", "MoE block per layer µs (layer 0)",
 )  # fmt: skip
 
 
@@ -247,7 +247,9 @@ def profile_tables(runs: dict[str, dict], method: str | None) -> list[str]:
     lines = [
         "\nDecode step under vLLM's torch profiler (per decode step, mean over the workers that had decode "
         "steps; host gaps: the worst worker's; busy = union of GPU kernel intervals, split by kernel name into moe / routing / comm / "
-        "attention / gemm / other; gaps = kernel start minus the previous kernel's end"
+        "attention / gemm / other; gaps = kernel start minus the previous kernel's end; MoE block = a "
+        "layer's wall time from its router kernel to the end of its last MoE or communication kernel, "
+        "median over the steps of layers 1+ (layer 0, which waits for the other DP ranks, in brackets)"
         + (f"; {method}" if method else "")
         + "):"
     ]
@@ -278,6 +280,8 @@ def profile_tables(runs: dict[str, dict], method: str | None) -> list[str]:
             cells += [f"{_us(gaps['before_moe'])} / {_us(gaps['after_moe'])}", _us(gaps["other"])]
             b = m.get("step_boundary_us")  # the worst worker's (older summaries lack it)
             cells.append(f"{b['p90']:.0f} / {b['max']:.0f} ({b['over_500']})" if b else "-")
+            blk = m.get("moe_block_us")  # router to combine of each layer, median over layers 1+ and steps
+            cells.append(f"{blk['rest']:.1f} ({blk['layer0']:.0f})" if blk and blk.get("rest") else "-")
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return lines
 

@@ -135,6 +135,9 @@ def test_two_decode_steps_exact_busy_idle_categories_and_gaps():
     # 1100 - 1084 and 1200 - 1184: the host's share between steps
     assert g["step_boundary"] == {"count_per_step": 1, "mean_us": 16.0, "per_step_us": 16.0, "max_us": 16.0}
     assert s["step_boundary_us"] == {"p50": 16.0, "p90": 16.0, "max": 16.0, "over_500": 0, "count": 2}
+    # One layer per step: its block runs from the moe kernel (+25) to the end of the step's last comm kernel
+    # (the all-gather, +84) before the next attention; no layers 1+.
+    assert s["moe_block_us"] == {"layer0": 59.0, "rest": None, "rest_p90": None, "layers": 1.0}
     assert sum(c["per_step_us"] for c in g.values()) == pytest.approx(ps["idle_ms"] * 1e3)
     assert s["first_in_step_us"]["moe"] == {"first": 40.0, "rest": None, "rest_per_step": 0}
     top = s["top_kernels"]

@@ -130,7 +130,11 @@ def _profile_level(step_ms, moe_ms, before_us):
 
 def test_report_adds_a_decode_step_table_per_profiled_level(tmp_path):
     a, b = _run("flashmoe_dp4_ep", 130.0, 10.0, [[1]]), _run("vllm_dp4_ep", 100.0, 20.0, [[1]])
-    stalls = {"step_ms_median": 6.1, "step_boundary_us": {"p90": 40.0, "max": 25120.0, "over_500": 7}}
+    stalls = {
+        "step_ms_median": 6.1,
+        "step_boundary_us": {"p90": 40.0, "max": 25120.0, "over_500": 7},
+        "moe_block_us": {"layer0": 180.7, "rest": 67.9, "rest_p90": 72.5, "layers": 48.0},
+    }
     a["profile"] = {"1": _profile_level(6.3, 3.1, 7.5), "64": {"concurrency": 64, "error": "TimeoutError: x"}}
     a["profile"]["1"]["mean"].update(stalls)
     b["profile"] = {"1": _profile_level(6.0, 4.8, 2.0)}
@@ -141,7 +145,7 @@ def test_report_adds_a_decode_step_table_per_profiled_level(tmp_path):
     assert "| run | steps × workers | step ms | median step ms | GPU busy ms | idle ms | moe ms |" in c1
     assert (
         "| flashmoe_dp4_ep | 62 × 4 | 6.300 | 6.100 | 6.210 | 0.400 | 3.100 | 0.010 | 0.200 | 0.500 | 1.500 | 0.900 "
-        "| 7.5 / 2.0 | 1.2 | 40 / 25120 (7) |" in c1
+        "| 7.5 / 2.0 | 1.2 | 40 / 25120 (7) | 67.9 (181) |" in c1
     )
     assert "| vllm_dp4_ep | 62 × 4 | 6.000 | - | 7.910 |" in c1  # a summary without the newer fields
     c64 = text.split("\nc=64:\n")[1]

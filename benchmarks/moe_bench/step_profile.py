@@ -312,6 +312,7 @@ def _window(
         # The host's time between two steps, as a distribution: a stall on one DP rank (GIL, GC) shows here
         # and, through vLLM's per-step DP sync, as a long first collective on the others.
         "step_boundary_us": _distribution(gaps["step_boundary"], STALL_US),
+        "moe_block_us": _moe_blocks(kernels, bounds) if bounded else None,
         "first_in_step_us": {
             cat: {
                 "first": round(statistics.fmean(f), 3) if f else None,
@@ -345,6 +346,45 @@ def _distribution(values: list[float], stall: float) -> dict | None:
         "max": round(ordered[-1], 1),
         f"over_{stall:g}": sum(v > stall for v in ordered),
         "count": len(ordered),
+    }
+
+
+MOE_BLOCK = ("routing", "moe", "comm")
+
+
+def _moe_blocks(kernels: list[_Kernel], bounds: list[float]) -> dict | None:
+    """Wall time of each layer's MoE block, per step: from the first routing/moe/comm kernel after an
+    attention kernel to the end of the last moe/comm kernel before the next attention kernel or the step's
+    end (the router, the dispatch, the experts and the combine of either path, and whatever small kernels
+    run between them; the last layer's block may take in the step's own collectives, hence medians).
+    Layer 0 is apart: with DP it also waits for the other ranks. Medians over the window's steps, µs."""
+    first, rest = [], []
+    for i in range(len(bounds) - 1):
+        spans, start, end = [], None, None
+        for k in kernels:
+            if k.start < bounds[i] or k.start >= bounds[i + 1]:
+                continue
+            if k.cat == "attention":
+                if start is not None and end is not None:
+                    spans.append(end - start)
+                start = end = None
+            elif k.cat in MOE_BLOCK:
+                if start is None:
+                    start = k.start
+                if k.cat != "routing":
+                    end = max(end or k.end, k.end)
+        if start is not None and end is not None:
+            spans.append(end - start)
+        if spans:
+            first.append(spans[0])
+            rest += spans[1:]
+    if not first:
+        return None
+    return {
+        "layer0": round(statistics.median(first), 2),
+        "rest": round(statistics.median(rest), 2) if rest else None,
+        "rest_p90": round(sorted(rest)[int(0.9 * (len(rest) - 1))], 2) if rest else None,
+        "layers": round(len(first + rest) / len(first), 1),
     }
 
 
@@ -438,6 +478,11 @@ def mean_over_workers(workers: dict) -> dict:
             "p90": max(b["p90"] for b in boundaries),
             "max": max(b["max"] for b in boundaries),
             f"over_{STALL_US:g}": max(b[f"over_{STALL_US:g}"] for b in boundaries),
+        }
+    blocks = [w["moe_block_us"] for w in with_steps if w.get("moe_block_us")]
+    if blocks:
+        mean["moe_block_us"] = {
+            key: _avg([b[key] for b in blocks]) for key in ("layer0", "rest", "rest_p90", "layers")
         }
     mean["gap_mean_us"] = {}
     for cls in GAP_CLASSES:
