@@ -20,6 +20,10 @@ drawn by :func:`moe_inputs.random_fp8_expert_weights` with token groups of rando
   every signal and wait), ``FLASHMOE_FORCE_PUT=1`` (NVSHMEM put-with-signal to NVLink peers) or
   ``FLASHMOE_NODE_SIZE=W/2`` (two simulated nodes: stores within a half, puts across; W >= 2) must give
   the normal layer's bits.
+* ``padding``: the odd ranks, then the even ones, pass a negative ``padding_marker`` (a DP rank's dummy
+  step): exact zeros there, the other ranks' rows unaffected; then one CUDA graph with a marker buffer,
+  replayed while the set of padding ranks changes: each replay bitwise equal to the eager call of its
+  pattern.
 * ``timeout`` (its own fresh processes: a timed-out process is poisoned): one rank never calls the layer;
   every other rank must raise FlashMoETimeoutError naming rank, peer and phase within 15 s.
 
@@ -615,11 +619,11 @@ def check_variant(
 def check_padding(
     ctx: RankContext, seed: int, tiny: bool = False, dtype: str = "bf16", replays: int = 40
 ) -> dict:
-    """Padding calls (``padding_marker`` with a negative first entry: a DP rank's dummy step). Every rank
-    but 0 pads: they must get exact zeros, and rank 0 what its own rows give (its outputs never depend on
-    other ranks' tokens). Then one CUDA graph with a marker buffer, replayed while the pattern of padding
-    ranks changes: each replay must equal the eager call of its pattern bit for bit (the marker is read on
-    the device at replay, not baked into the capture)."""
+    """Padding calls (``padding_marker`` with a negative first entry: a DP rank's dummy step). Two
+    patterns, the odd ranks padding and then the even ones: a padding rank must get exact zeros, the others
+    what their own rows give (a rank's outputs never depend on other ranks' tokens). Then one CUDA graph
+    with a marker buffer, replayed while the pattern changes: each replay must equal the eager call of its
+    pattern bit for bit (the marker is read on the device at replay, not baked into the capture)."""
     cfg = fixed(DETERMINISM_CONFIGS[0], seed, dtype, tiny)
     record = new_record("padding", ctx, cfg, replays=replays if ctx.cuda else 0)
 
