@@ -477,7 +477,7 @@ def test_bridge_snapshot_serves_exactly_what_the_workers_registry_holds(tmp_path
         assert line.startswith("{"), f"worker said {line!r}"
         own = metric_samples(json.loads(line)["own"], prefix="flashmoe_")
         assert [p.name for p in tmp_path.iterdir()] == [f"flashmoe-{worker.pid}.json"]
-        from flashmoe.metrics.bridge import WorkerFilesCollector
+        from flashmoe.metrics.snapshots import WorkerFilesCollector
 
         reg = CollectorRegistry()
         reg.register(WorkerFilesCollector(str(tmp_path)))
@@ -495,3 +495,18 @@ def test_bridge_snapshot_serves_exactly_what_the_workers_registry_holds(tmp_path
     assert served[("flashmoe_calls_total", (("ep_rank", "1"), ("layer", "bw.ref")))] == 3
     assert served[("flashmoe_fallback_total", (("reason", "bw reason"),))] == 1
     assert ("flashmoe_calls_total", (("ep_rank", "0"), ("layer", "layer_id_3"))) in served
+
+
+def test_the_exporter_process_code_loads_neither_torch_nor_flashmoe():
+    """The per-rank exporter runs metrics/snapshots.py by path: one per rank, so it must stay small (no torch:
+    ~20 MB instead of ~240 MB of host memory per rank)."""
+    from flashmoe.metrics import snapshots
+
+    code = f"""
+        import runpy, sys
+        runpy.run_path({snapshots.__file__!r}, run_name="probe")
+        heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "flashmoe", "numpy"))
+        print("HEAVY", heavy)
+    """
+    out = _assert_ok(_run_python(code))
+    assert "HEAVY []" in out, out

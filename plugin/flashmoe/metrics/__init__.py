@@ -27,7 +27,8 @@ of it off (read once per process).
 
 This module holds the per-process state (registered layers, host-timed calls not yet folded in) and
 the public functions; :mod:`.ring` is the kernel's record layout and decoder, :mod:`.poller` the
-background thread and the device copies, :mod:`.families` the prometheus_client objects.
+background thread and the device copies, :mod:`.families` the prometheus_client objects, :mod:`.snapshots`
+the snapshot files and the collector that reads them.
 """
 
 from __future__ import annotations

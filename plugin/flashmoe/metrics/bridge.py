@@ -23,19 +23,16 @@ process skips its own file (its metrics are in its registry already).
 from __future__ import annotations
 
 import atexit
-import json
 import logging
 import os
-import re
 import shutil
 import tempfile
 
 from .. import config
+from .snapshots import WorkerFilesCollector, remove_snapshot, snapshot_path, write_snapshot
 
 logger = logging.getLogger("flashmoe")
 
-_FILE_RE = re.compile(r"^flashmoe-(\d+)\.json$")
-_SUMMED_TYPES = ("counter", "histogram", "summary", "unknown", "untyped")
 
 _consumer_dir: str | None = None
 
@@ -75,97 +72,7 @@ def producer_path() -> str | None:
     path = config.metrics_bridge_dir()
     if not path or path == _consumer_dir:
         return None  # not spawned under a consumer, or we are the consumer (metrics already in REGISTRY)
-    return os.path.join(path, f"flashmoe-{os.getpid()}.json")
+    return snapshot_path(path)
 
 
-def write_snapshot(path: str, snapshot: dict) -> None:
-    """``snapshot``: ``{"families": [{"name", "type", "help", "samples": [[name, labels, value], ...]}]}``."""
-    tmp = f"{path}.tmp"
-    text = json.dumps(snapshot, separators=(",", ":"))  # the C encoder (json.dump streams in Python)
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)  # a scrape reads the old file or the new one, never half of one
-
-
-def remove_snapshot(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
-class WorkerFilesCollector:
-    """A prometheus_client collector over the snapshot files of live worker processes.
-
-    Families with the same name from several workers are merged into one (Prometheus rejects a
-    repeated ``# TYPE``); identical series are summed for counters and histograms (e.g. the same
-    fallback reason on two ranks) and take the maximum for gauges.
-    """
-
-    def __init__(self, path: str):
-        self.path = path
-
-    def collect(self):
-        from prometheus_client.metrics_core import Metric
-
-        merged: dict[str, tuple[Metric, dict]] = {}
-        for snapshot in self._live_snapshots():
-            try:
-                families = [(f["name"], f["type"], f["help"], f["samples"]) for f in snapshot["families"]]
-            except (KeyError, TypeError) as e:  # a writer of another flashmoe version, or a bug
-                logger.warning("flashmoe metrics: skipping an unreadable worker snapshot: %r", e)
-                continue
-            for name, kind, documentation, rows in families:
-                into = merged.get(name)
-                if into is None:
-                    into = merged[name] = (Metric(name, documentation, kind), {})
-                family, samples = into
-                for sample_name, labels, value in rows:
-                    key = (sample_name, tuple(sorted(labels.items())))
-                    old = samples.get(key)
-                    if old is None:
-                        samples[key] = (sample_name, labels, value)
-                    elif family.type in _SUMMED_TYPES:
-                        samples[key] = (sample_name, labels, old[2] + value)
-                    else:
-                        samples[key] = (sample_name, labels, max(old[2], value))
-        for family, samples in merged.values():
-            for sample_name, labels, value in samples.values():
-                family.add_sample(sample_name, labels, value)
-            yield family
-
-    def _live_snapshots(self):
-        try:
-            names = sorted(os.listdir(self.path))
-        except FileNotFoundError:
-            return
-        for name in names:
-            m = _FILE_RE.match(name)
-            if m is None:
-                continue
-            pid = int(m.group(1))
-            file = os.path.join(self.path, name)
-            if pid == os.getpid():
-                continue
-            if not _alive(pid):
-                remove_snapshot(file)  # a worker that died without cleaning up; its series go away
-                continue
-            try:
-                with open(file) as f:
-                    snapshot = json.load(f)
-            except FileNotFoundError:
-                continue
-            except ValueError as e:
-                logger.warning("flashmoe metrics: skipping an unreadable worker snapshot %s: %s", file, e)
-                continue
-            yield snapshot
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+__all__ = ["WorkerFilesCollector", "install_consumer", "producer_path", "remove_snapshot", "write_snapshot"]

@@ -1,16 +1,15 @@
 """The per-rank HTTP exporter (``FLASHMOE_METRICS_PORT``): for multi-node runs or engines without a /metrics.
 
-It runs in a small process of its own (:func:`main`, started by the rank's first layer), not in the
-engine's: formatting a scrape of a 48-layer model is ~40 ms of Python, and inside the
-engine's process that holds the GIL its step loop needs (with DP, every rank then waits for the stalled one at
-the next step's sync). The rank writes its series once a second as a snapshot file (the bridge's format,
-:func:`.bridge.write_snapshot`) into a private directory; the exporter process serves that file with the
-bridge's collector and exits when the rank does.
+It runs in a small process of its own (:func:`.snapshots.main`, run by path, so it loads neither torch nor
+flashmoe), started by the rank's first layer, not in the engine's: formatting a scrape of a 48-layer model
+is ~40 ms of Python, and inside the engine's process that holds the GIL its step loop needs (with DP, every
+rank then waits for the stalled one at the next step's sync). The rank writes its series once a second as a
+snapshot file (:mod:`.snapshots`) into a private directory; the exporter process serves it and exits when
+the rank does.
 """
 
 from __future__ import annotations
 
-import argparse
 import atexit
 import logging
 import os
@@ -23,10 +22,10 @@ import time
 import torch
 
 from .. import config
+from . import snapshots
 
 logger = logging.getLogger("flashmoe")
 
-READY = "flashmoe-exporter: serving"
 START_TIMEOUT_S = 30.0
 
 _snapshot_path: str | None = None
@@ -42,9 +41,12 @@ def start_exporter() -> str | None:
     port += local_rank()
     addr = config.metrics_addr()
     directory = tempfile.mkdtemp(prefix="flashmoe-exporter-")
-    # -c, not -m: the package imports this module, and runpy warns when it runs a module already imported.
-    cmd = [sys.executable, "-c", "import sys; from flashmoe.metrics.exporter import main; sys.exit(main())"]
-    cmd += ["--dir", directory, "--port", str(port), "--addr", addr, "--parent", str(os.getpid())]
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "snapshots.py")
+    # Run by path through runpy, which (unlike `python script.py`) does not put the script's folder, with its
+    # bridge.py and ring.py, first on sys.path.
+    run = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+    cmd = [sys.executable, "-c", run, script, "--dir", directory, "--port", str(port), "--addr", addr]
+    cmd += ["--parent", str(os.getpid())]
     env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
     try:  # stderr stays the rank's: whatever the exporter says lands in the engine's log
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
@@ -53,7 +55,7 @@ def start_exporter() -> str | None:
         shutil.rmtree(directory, ignore_errors=True)
         return None
     line = _first_line(proc, START_TIMEOUT_S)
-    if not line.startswith(READY):
+    if not line.startswith(snapshots.READY):
         proc.kill()
         shutil.rmtree(directory, ignore_errors=True)
         logger.warning(
@@ -62,7 +64,7 @@ def start_exporter() -> str | None:
         return None
     atexit.register(_stop, proc, directory)
     logger.info("flashmoe metrics: exporter on http://%s:%d/metrics (pid %d)", addr, port, proc.pid)
-    _snapshot_path = os.path.join(directory, f"flashmoe-{os.getpid()}.json")
+    _snapshot_path = snapshots.snapshot_path(directory)
     return _snapshot_path
 
 
@@ -107,29 +109,3 @@ def local_rank() -> int:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         return torch.cuda.current_device()
     return default_rank()
-
-
-def main(argv=None) -> int:
-    """The exporter process: serve ``--dir``'s snapshot until ``--parent`` exits."""
-    ap = argparse.ArgumentParser(description="flashmoe's per-rank Prometheus exporter (started by the rank)")
-    ap.add_argument("--dir", required=True)
-    ap.add_argument("--port", type=int, required=True)
-    ap.add_argument("--addr", default="0.0.0.0")
-    ap.add_argument("--parent", type=int, required=True)
-    args = ap.parse_args(argv)
-    import prometheus_client
-
-    from .bridge import WorkerFilesCollector
-
-    registry = prometheus_client.CollectorRegistry(auto_describe=False)
-    registry.register(WorkerFilesCollector(args.dir))
-    try:
-        prometheus_client.start_http_server(args.port, addr=args.addr, registry=registry)
-    except OSError as e:
-        print(f"flashmoe-exporter: {e}", flush=True)
-        return 1
-    print(f"{READY} {args.addr}:{args.port}", flush=True)
-    while os.getppid() == args.parent:  # re-parented: the rank is gone
-        time.sleep(1.0)
-    shutil.rmtree(args.dir, ignore_errors=True)
-    return 0
