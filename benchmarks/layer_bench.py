@@ -251,6 +251,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         "the deepep_ll variants (its buffer grows with E x tokens x H: 7.1 GiB per rank for DeepSeek-V3 at EP4, 512)",
     )
     p.add_argument(
+        "--padding-ranks",
+        type=int,
+        default=0,
+        help="the last N ranks are idle DP ranks (vLLM's dummy steps): flashmoe gets a padding_marker there and "
+        "must return zeros; the baselines compute those tokens, as vLLM's own paths do; the floor counts the "
+        "other ranks' tokens only (c = 1 with DP: --tokens 1 --padding-ranks W-1)",
+    )
+    p.add_argument(
         "--metrics-overhead",
         action="store_true",
         help="also time flashmoe with its in-kernel metrics off, interleaved with on (metrics_* columns)",
@@ -606,6 +614,7 @@ class LayerInput:
     out: torch.Tensor  # flashmoe writes here
     expert_rows: ExpertRows | None = None  # compute_only's input
     recv_rows: int | None = None  # (token, expert) rows this rank's experts receive: the deepep_ll pack bound
+    padding_marker: torch.Tensor | None = None  # --padding-ranks: [-1] on an idle rank (flashmoe only)
 
 
 @dataclass
@@ -649,6 +658,8 @@ def make_inputs(ctx: Context, m: ModelState, tokens: int, routing: str, layers: 
     s, ranks, dev = m.shape, ctx.ranks, ctx.ranks.device
     sets, floors, imbalance, gemm_rows = [], [], [], []
     mine = m.placement.local_experts(ranks.rank).long()
+    idle = ranks.world - ctx.args.padding_ranks  # ranks from here on run dummy steps
+    marker = torch.full((1,), -1, dtype=torch.int64, device=dev) if ranks.rank >= idle else None
     for i in range(num_input_sets(tokens, s, ctx.args, layers)):
         per_layer = []
         for layer in range(layers):
@@ -663,6 +674,9 @@ def make_inputs(ctx: Context, m: ModelState, tokens: int, routing: str, layers: 
             else:
                 x = torch.randn(tokens, s.hidden, generator=gen, device=dev, dtype=DTYPE)
             ids_all = ranks.gather_tensor(ids)  # [world, T, k]: the floor needs every rank's routing
+            if idle < ranks.world:  # the floor (and the work figures) count the real tokens only
+                ids_all = ids_all.clone()
+                ids_all[idle:] = -1
             works = rank_work(ids_all, m.placement.expert_rank)
             floors.append(layer_floor(works, s.hidden, s.intermediate, ctx.rates.rates, m.fmt))
             imbalance.append(load_imbalance(works))
@@ -677,7 +691,7 @@ def make_inputs(ctx: Context, m: ModelState, tokens: int, routing: str, layers: 
                 else:  # this rank's row count per expert, from every rank's routing
                     sizes = torch.bincount(ids_all.flatten().long(), minlength=s.num_experts)[mine.to(dev)]
                     rows = ExpertRows.random(sizes, s.hidden, DTYPE, gen)
-            per_layer.append(LayerInput(x, ids, weights, torch.empty_like(x), rows, recv_rows))
+            per_layer.append(LayerInput(x, ids, weights, torch.empty_like(x), rows, recv_rows, marker))
         sets.append(InputSet(per_layer))
     return CaseInputs(
         sets, Floor.mean(floors), sum(imbalance) / len(imbalance), sum(gemm_rows) / len(gemm_rows)
@@ -716,12 +730,15 @@ def layer_fn(ctx: Context, m: ModelState, variant: str, tokens: int | None = Non
                     out=a.out,
                     w13_scale_inv=w13.scale_inv,
                     w2_scale_inv=w2.scale_inv,
+                    padding_marker=a.padding_marker,
                 )
 
         else:
 
             def flashmoe_layer(i, a):
-                return layers[i](a.x, a.ids, a.weights, m.w13[i], m.w2[i], out=a.out)
+                return layers[i](
+                    a.x, a.ids, a.weights, m.w13[i], m.w2[i], out=a.out, padding_marker=a.padding_marker
+                )
 
         return flashmoe_layer, backend, None
     if variant == "all_to_all":
@@ -849,7 +866,9 @@ def check_step(
     rel_l2, max_rel, ok = 0.0, 0.0, True
     stats = empty_stats() if kind in FP8_BUDGET_CHECKS else None
     for i, (out, a) in enumerate(zip(outputs, inputs.layers, strict=True)):
-        if kind == "rows":
+        if variant == "flashmoe" and a.padding_marker is not None:
+            ref = torch.zeros_like(out)  # an idle rank's dummy step: nothing computed, zeros out
+        elif kind == "rows":
             ref = expert_rows_reference(a.expert_rows.x, a.expert_rows.sizes, m.w13[i], m.w2[i])
         elif kind == "rows_fp8":
             ref = expert_rows_reference_fp8(a.expert_rows.x, a.expert_rows.sizes, m.w13[i], m.w2[i])
@@ -868,6 +887,8 @@ def check_step(
             ref = references[kind][i]
         result = compare(out, ref)
         rel_l2, max_rel, ok = max(rel_l2, result.rel_l2), max(max_rel, result.max_rel), ok and result.ok
+        if variant == "flashmoe" and a.padding_marker is not None and bool(out.count_nonzero()):
+            ok = False  # zeros exactly, not zeros within a tolerance
         if stats is not None:
             stats = stats.merge(error_stats(out, ref))
     return Check(rel_l2, max_rel, ok, kind, stats)
@@ -1047,6 +1068,7 @@ def run_mode(ctx: Context, m: ModelState, tokens: int, routing: str, mode: str) 
         world_size=ranks.world,
         tokens_per_rank=tokens,
         routing=routing,
+        padding_ranks=ctx.args.padding_ranks,
         sets=len(case.sets),
         floor_us=floor.floor_s * 1e6,
         floor_nodedup_us=floor.floor_nodedup_s * 1e6,
@@ -1088,6 +1110,8 @@ def main(argv=None) -> int:
     group, cpu_group, device = init_distributed(args.device, args.timeout_s)
     ranks = Ranks(group, device)
     lead = ranks.rank == 0
+    if not 0 <= args.padding_ranks < ranks.world:
+        raise SystemExit(f"--padding-ranks must be in [0, {ranks.world - 1}] at world {ranks.world}")
 
     def log(msg: str) -> None:
         if lead:
@@ -1158,6 +1182,7 @@ def main(argv=None) -> int:
             "tokens_per_rank": args.tokens,
             "routings": args.routing,
             "zipf_s": args.zipf_s,
+            "padding_ranks": args.padding_ranks,
             "placement": "contiguous",
             "grouped_gemm": gemm_impl,
             "grouped_gemm_note": gemm_note,

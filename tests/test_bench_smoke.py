@@ -107,3 +107,30 @@ def test_time_budget_stops_cleanly_and_still_writes_the_file(tmp_path):
     assert results.validate(doc) == []
     assert doc["complete"] is False and "max-minutes" in doc["stopped_reason"] and doc["rows"] == []
     assert "stopped" in run.stdout
+
+
+def test_idle_dp_ranks_get_zeros_from_flashmoe_and_the_floor_counts_real_tokens(tmp_path):
+    """--padding-ranks 1: rank 1 runs dummy steps. flashmoe must return zeros there (checked: the row would be
+    'wrong' otherwise) while the baseline computes rank 1's tokens as vLLM's paths do; the floor and the work
+    figures count rank 0's tokens only."""
+    out = tmp_path / "padding.json"
+    torchrun(
+        out, "--tokens", "8", "--routing", "uniform", "--variants", "flashmoe,allgather_rs", "--mode", "serving",
+        "--padding-ranks", "1", "--min-iters", "2", "--max-iters", "4", "--warmup", "1", "--max-sets", "2",
+    )  # fmt: skip
+    doc = results.load(out)
+    assert doc["config"]["padding_ranks"] == 1
+    rows = {r["variant"]: r for r in doc["rows"]}
+    assert {r["status"] for r in rows.values()} == {"ok"}, [r["note"] for r in rows.values()]
+    assert all(r["padding_ranks"] == 1 for r in rows.values())
+    # Only rank 0's 8 tokens x top-k pairs are real work: the busiest rank holds at most all of them.
+    assert 0 < rows["flashmoe"]["gemm_rows"] <= 8 * rows["flashmoe"]["top_k"]
+    assert rows["flashmoe"]["check_rel_l2"] < 1e-2 and rows["allgather_rs"]["check_rel_l2"] < 1e-2
+    # The same run without idle ranks: more real work, a higher floor.
+    full = tmp_path / "full.json"
+    torchrun(
+        full, "--tokens", "8", "--routing", "uniform", "--variants", "flashmoe", "--mode", "serving",
+        "--min-iters", "2", "--max-iters", "4", "--warmup", "1", "--max-sets", "2",
+    )  # fmt: skip
+    all_real = results.load(full)["rows"][0]
+    assert all_real["padding_ranks"] == 0 and all_real["gemm_rows"] > rows["flashmoe"]["gemm_rows"]

@@ -43,6 +43,7 @@ ROW_FIELDS = (
     "world_size",
     "tokens_per_rank",
     "routing",  # uniform | zipf
+    "padding_ranks",  # the last N ranks ran dummy steps (flashmoe: padding_marker); the floor counts the rest
     "variant",  # flashmoe | all_to_all | allgather_rs | vllm_fused | deepep_ll | deepep_ll_fp8 | deepep_ll_comm | compute_only
     "mode",  # flushed (one layer, L2 flushed before each call) | serving (graph of L layers, no flush)
     "layers",  # layers per timed step (1 when flushed); latencies are per layer
@@ -82,6 +83,7 @@ ROW_FIELDS = (
 # Fields added after the first results were committed: absent in older files, read as these values
 # (every older row was a flushed single-layer call, its median being its p50).
 LATER_FIELDS = {
+    "padding_ranks": 0,
     "metrics_on_us": None,
     "metrics_off_us": None,
     "metrics_overhead": None,
