@@ -15,6 +15,8 @@ Runs (``--runs``, in order; each starts ``vllm.entrypoints.openai.api_server`` o
     vllm_tp4          TP4 without EP (experts tensor-parallel), vLLM's default MoE path
     vllm_dp4_ep_deepep_ll     DP4 + EP4, vLLM's default MoE with --all2all-backend deepep_low_latency (needs
                               deep_ep: --deepep-wheel)
+    flashmoe_dp4_ep_dummy_work  DP4 + EP4, --moe-backend flashmoe with FLASHMOE_SKIP_PADDING=0: the DP dummy steps'
+                              experts computed, as vLLM's paths do (the A/B of the padding skip)
     flashmoe_dp4_ep_fallback  DP4 + EP4, --moe-backend flashmoe with FLASHMOE_BACKEND=fallback: the adapter
                               declines and vLLM's DeepEP tier serves (deepep_high_throughput, needs deep_ep;
                               vLLM 0.26 runs it without CUDA graphs); the run fails unless the server logged
@@ -119,10 +121,14 @@ RUNS = {  # name: (parallel arguments, --moe-backend or None for vLLM's own)
     ),
     # The adapter picks deepep_high_throughput; with DP > 1 vLLM 0.26 then turns CUDA graphs off.
     "flashmoe_dp4_ep_fallback": (["--data-parallel-size", "{n}", "--enable-expert-parallel"], "flashmoe"),
+    # flashmoe computing the DP dummy steps' experts, as vLLM's paths do (FLASHMOE_SKIP_PADDING=0): the A/B
+    # of the padding skip within one session.
+    "flashmoe_dp4_ep_dummy_work": (["--data-parallel-size", "{n}", "--enable-expert-parallel"], "flashmoe"),
 }
 DEEPEP_RUNS = ("vllm_dp4_ep_deepep_ll", "flashmoe_dp4_ep_fallback")  # need deep_ep in vLLM's processes
 # Runs whose plugin is told to decline: their server env, and the line the decline must log.
 FORCED_FALLBACK_ENV = {"flashmoe_dp4_ep_fallback": {"FLASHMOE_BACKEND": "fallback", "FLASHMOE_STRICT": "0"}}
+RUN_ENV = {**FORCED_FALLBACK_ENV, "flashmoe_dp4_ep_dummy_work": {"FLASHMOE_SKIP_PADDING": "0"}}
 FORCED_FALLBACK_REASON = "FLASHMOE_BACKEND=fallback"
 FORCED_FALLBACK_DECLINE = f"flashmoe: flashmoe declines the MoE layers ({FORCED_FALLBACK_REASON}); using "
 FORCED_FALLBACK_LINE = (
@@ -630,7 +636,7 @@ def run_one(name: str, args, model: Path) -> dict:
     env = dict(ENV)
     if backend:
         env["FLASHMOE_STRICT"] = "1"  # a fallback would make the comparison meaningless
-    env.update(FORCED_FALLBACK_ENV.get(name, {}))
+    env.update(RUN_ENV.get(name, {}))
     log = args.out / f"vllm_{name}.log"
     server = VLLMServer(
         model, vargs, moe_backend=backend, env=env, log_path=log, startup_timeout=args.startup_timeout

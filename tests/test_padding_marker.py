@@ -73,3 +73,12 @@ def test_the_vllm_adapter_reads_the_marker_from_vllms_forward_context():
         assert padding_marker(3) is None  # micro-batches
     usable, why = markers_usable()  # no vLLM process groups here: the size of DCP is unknown
     assert not usable and "decode-context-parallel size unknown" in why
+
+
+def test_skip_padding_off_turns_the_marker_off_for_ab_runs(monkeypatch):
+    pytest.importorskip("vllm")
+    from flashmoe.integration.vllm.padding import markers_usable
+
+    monkeypatch.setenv("FLASHMOE_SKIP_PADDING", "0")
+    usable, why = markers_usable()
+    assert not usable and why.startswith("FLASHMOE_SKIP_PADDING=0")

@@ -20,6 +20,13 @@ import torch
 
 def markers_usable() -> tuple[bool, str]:
     """(use the slot mapping as padding marker, why): decided once per layer, when the kernel is built."""
+    from flashmoe import config
+
+    if not config.skip_padding():
+        return (
+            False,
+            "FLASHMOE_SKIP_PADDING=0: a DP rank's dummy steps compute their experts like real tokens",
+        )
     try:
         from vllm.distributed import get_dcp_group
 

@@ -33,6 +33,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("FLASHMOE_NUM_BLOCKS", "0", "Persistent grid size (SM budget); 0 = every SM the occupancy check allows."),
     EnvVar("FLASHMOE_MAX_TOKENS", "0", "Max tokens per rank per call the symmetric buffers are sized for; 0 = what the engine reports."),
     EnvVar("FLASHMOE_TP_SLICE", "1", "vLLM TP+EP (tokens replicated over the EP group): 1 = each rank dispatches its 1/W slice of the tokens and the combined slices are all-gathered; 0 = every rank dispatches all of them (for A/B measurement)."),
+    EnvVar("FLASHMOE_SKIP_PADDING", "1", "vLLM with DP: 1 = a rank's dummy steps (slot mapping -1) send no tokens to the experts (padding_marker); 0 = they are computed like real tokens, as vLLM's own paths do (for A/B measurement)."),
     EnvVar("FLASHMOE_STRICT", "0", "1 turns any fallback away from the megakernel into an error."),
     EnvVar("FLASHMOE_BACKEND", "auto", "auto | megakernel | reference | fallback: force the implementation behind the op. fallback: the vLLM and SGLang adapters decline flashmoe at start-up and serve with the engine's own MoE path (DeepEP if deep_ep imports, else the default), with the same log line and fallback metric as a real decline (FLASHMOE_STRICT=1: an error); for A/B runs against flashmoe."),
     EnvVar("FLASHMOE_METRICS", "1", "0 turns off the Prometheus export and the kernel's metrics records (read once per process)."),
@@ -127,6 +128,10 @@ def max_tokens_per_rank(reported: int) -> int:
 
 def tp_slice() -> bool:
     return env_flag("FLASHMOE_TP_SLICE")
+
+
+def skip_padding() -> bool:
+    return env_flag("FLASHMOE_SKIP_PADDING")
 
 
 def timeout_ms() -> int:
