@@ -358,12 +358,14 @@ def _moe_blocks(kernels: list[_Kernel], bounds: list[float]) -> dict | None:
     end (the router, the dispatch, the experts and the combine of either path, and whatever small kernels
     run between them; the last layer's block may take in the step's own collectives, hence medians).
     Layer 0 is apart: with DP it also waits for the other ranks. Medians over the window's steps, µs."""
+    by_step: dict[int, list[_Kernel]] = defaultdict(list)  # one pass over the trace, not one per step
+    for k in kernels:
+        if bounds[0] <= k.start < bounds[-1]:
+            by_step[bisect.bisect_right(bounds, k.start) - 1].append(k)
     first, rest = [], []
     for i in range(len(bounds) - 1):
         spans, start, end = [], None, None
-        for k in kernels:
-            if k.start < bounds[i] or k.start >= bounds[i + 1]:
-                continue
+        for k in by_step[i]:
             if k.cat == "attention":
                 if start is not None and end is not None:
                     spans.append(end - start)
