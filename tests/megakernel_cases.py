@@ -499,6 +499,22 @@ def fixed(cfg: MatrixConfig, seed: int, dtype: str, tiny: bool = False) -> Matri
     return shrink(replace(cfg, seed=seed, dtype=dtype), tiny)
 
 
+def capture_graph(ctx: RankContext, call, warmups: int) -> torch.cuda.CUDAGraph:
+    """``call`` run ``warmups`` times on a side stream (as torch's capture recipe asks), every rank synced,
+    then captured into a graph."""
+    side = torch.cuda.Stream(ctx.device)
+    side.wait_stream(torch.cuda.current_stream(ctx.device))
+    with torch.cuda.stream(side):
+        for _ in range(warmups):
+            call()
+    torch.cuda.current_stream(ctx.device).wait_stream(side)
+    ctx.sync()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    return graph
+
+
 def check_graph(
     ctx: RankContext,
     seed: int,
@@ -530,16 +546,7 @@ def check_graph(
             stats["ref"] = stats["ref"].merge(error_stats(out, ref))
         static = [t.clone() for t in sets[0]]
         static_out = torch.empty_like(static[0])
-        side = torch.cuda.Stream(ctx.device)
-        side.wait_stream(torch.cuda.current_stream(ctx.device))
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                layer(*static, *weights, out=static_out, **case.scales)
-        torch.cuda.current_stream(ctx.device).wait_stream(side)
-        ctx.sync()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            layer(*static, *weights, out=static_out, **case.scales)
+        graph = capture_graph(ctx, lambda: layer(*static, *weights, out=static_out, **case.scales), warmups=3)
         order = random.Random(seed).choices(range(input_sets), k=replays)
         for i in range(1, replays):  # a different input set on every replay
             if order[i] == order[i - 1]:
@@ -645,15 +652,11 @@ def check_padding(
         if ctx.cuda:
             static_marker = marker(patterns[0])
             static_out = torch.empty_like(case.x)
-            side = torch.cuda.Stream(ctx.device)
-            side.wait_stream(torch.cuda.current_stream(ctx.device))
-            with torch.cuda.stream(side):
-                layer(*case.inputs, out=static_out, **case.scales, padding_marker=static_marker)
-            torch.cuda.current_stream(ctx.device).wait_stream(side)
-            ctx.sync()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                layer(*case.inputs, out=static_out, **case.scales, padding_marker=static_marker)
+            graph = capture_graph(
+                ctx,
+                lambda: layer(*case.inputs, out=static_out, **case.scales, padding_marker=static_marker),
+                warmups=1,
+            )
             bad = torch.zeros((), dtype=torch.int64, device=ctx.device)
             for i in range(replays):
                 p = random.Random(seed + i).randrange(2)  # the same draw on every rank
