@@ -4,8 +4,8 @@ A snapshot is this process's flashmoe series as data (JSON: families, samples as
 the engine's process never formats Prometheus text (that held the GIL ~40 ms per poll for a 48-layer model
 and stalled the step loop). Two readers merge the live processes' files into families at scrape time: the
 serving process of vLLM (:mod:`.bridge`) and the per-rank exporter process (:mod:`.exporter`), which runs
-this file by path (``python snapshots.py --dir D --port P ...``): it imports only the standard library and
-prometheus_client, not torch (~20 MB instead of ~240 MB per rank).
+this file by path (``runpy.run_path``, see :func:`.exporter.start_exporter`): it imports only the standard
+library and prometheus_client, not torch (~25 MB instead of ~240 MB per rank).
 """
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ READY = "flashmoe-exporter: serving"
 _SUMMED_TYPES = ("counter", "histogram", "summary", "unknown", "untyped")
 
 
-def snapshot_path(directory: str, pid: int | None = None) -> str:
-    return os.path.join(directory, f"flashmoe-{os.getpid() if pid is None else pid}.json")
+def snapshot_path(directory: str) -> str:
+    """This process's snapshot file in ``directory`` (FILE_RE: readers find the writer's pid in the name)."""
+    return os.path.join(directory, f"flashmoe-{os.getpid()}.json")
 
 
 def write_snapshot(path: str, snapshot: dict) -> None:
