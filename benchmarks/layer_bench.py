@@ -866,8 +866,9 @@ def check_step(
     rel_l2, max_rel, ok = 0.0, 0.0, True
     stats = empty_stats() if kind in FP8_BUDGET_CHECKS else None
     for i, (out, a) in enumerate(zip(outputs, inputs.layers, strict=True)):
-        if variant == "flashmoe" and a.padding_marker is not None:
-            ref = torch.zeros_like(out)  # an idle rank's dummy step: nothing computed, zeros out
+        padded = variant == "flashmoe" and a.padding_marker is not None  # an idle rank's dummy step
+        if padded:
+            ref = torch.zeros_like(out)  # nothing computed, zeros out
         elif kind == "rows":
             ref = expert_rows_reference(a.expert_rows.x, a.expert_rows.sizes, m.w13[i], m.w2[i])
         elif kind == "rows_fp8":
@@ -887,7 +888,7 @@ def check_step(
             ref = references[kind][i]
         result = compare(out, ref)
         rel_l2, max_rel, ok = max(rel_l2, result.rel_l2), max(max_rel, result.max_rel), ok and result.ok
-        if variant == "flashmoe" and a.padding_marker is not None and bool(out.count_nonzero()):
+        if padded and bool(out.count_nonzero()):
             ok = False  # zeros exactly, not zeros within a tolerance
         if stats is not None:
             stats = stats.merge(error_stats(out, ref))
