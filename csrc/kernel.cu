@@ -166,6 +166,8 @@ void launch(const LaunchArgs& a, const Capacity& cap, cudaStream_t stream) {
   }
   require(a.num_local >= 1 && a.num_local <= kMaxLocalExperts, "local expert count out of range");
   require(a.run.num_blocks >= 1 && a.run.num_blocks <= cap.num_blocks, "num_blocks exceeds capacity");
+  require(a.run.gemm0_max_splits >= 1 && a.run.gemm0_max_splits <= kMaxGemm0Splits,
+          "gemm0_max_splits must be 1.." + std::to_string(kMaxGemm0Splits));
 
   Params p{};
   p.num_tokens = a.num_tokens;
@@ -181,6 +183,7 @@ void launch(const LaunchArgs& a, const Capacity& cap, cudaStream_t stream) {
   p.node_size = static_cast<int>(a.run.node_size);
   p.layer_id = a.run.layer_id;
   p.metrics = a.run.metrics;
+  p.gemm0_max_splits = static_cast<int>(a.run.gemm0_max_splits);
   p.timeout_ns = static_cast<uint64_t>(a.run.timeout_ns);
   p.x = static_cast<const bf16*>(a.x);
   p.topk_ids = static_cast<const int*>(a.topk_ids);

@@ -65,7 +65,9 @@ CHECKS = [  # shape, tokens, routing
     ("small", 0, "uniform"),
     ("odd", 300, "one_expert"),
     ("odd", 77, "zipf"),
-    ("qwen3-30b/ep4", 1, "uniform"),
+    ("qwen3-30b/ep4", 1, "uniform"),  # 96 GEMM0 tiles: split over K in 2 (scheduler.cuh)
+    ("qwen3-30b/ep4", 40, "one_expert"),  # 12 tiles of 64 tokens: 4 splits, ping-pong
+    ("qwen3-30b/ep4", 100, "one_expert"),  # 12 tiles of 128 tokens: 4 splits, both consumers
     ("qwen3-30b/ep4", 8, "uniform"),
     ("qwen3-30b/ep4", 128, "zipf"),
     ("qwen3-30b/ep4", 1000, "uniform"),

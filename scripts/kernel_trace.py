@@ -124,7 +124,8 @@ def analyse(trace: list[list[list[tuple]]], H: int, I: int) -> dict:
                     "index": a,
                     "gemm": b >> 24,
                     "expert": b & 0xFFFFFF,
-                    "feature_tile": cc >> 16,
+                    "feature_tile": cc >> 16 & 0xFFF,
+                    "splits": cc >> 28 or 1,
                     "n": cc >> 8 & 0xFF,
                     "rows": cc & 0xFF,
                     "taken": (g - t0) / 1e3,
@@ -146,7 +147,9 @@ def analyse(trace: list[list[list[tuple]]], H: int, I: int) -> dict:
                 if kind == CONSUMER_TASK:
                     cur = {"block": blk, "role": role, "index": a, "taken": (g - t0) / 1e3}
                     tiles.append(cur)
-                    cur.update({k: by_index.get(a, {}).get(k) for k in ("gemm", "n", "rows", "expert")})
+                    cur.update(
+                        {k: by_index.get(a, {}).get(k) for k in ("gemm", "n", "rows", "expert", "splits")}
+                    )
                 elif cur is not None and kind == CONSUMER_FIRST_FULL:
                     cur["first_full"] = at_clock(c) / 1e3
                 elif cur is not None and kind == CONSUMER_MMA:
@@ -166,9 +169,11 @@ def analyse(trace: list[list[list[tuple]]], H: int, I: int) -> dict:
     for t in tiles:
         if t.get("gemm") is None or "epilogue_done" not in t or "first_full" not in t:
             continue
-        key = f"gemm{t['gemm']}/N{t['n']}"
-        k = H if t["gemm"] == 0 else I
-        # "tiles": consumer views (a split tile counts twice, a ping-pong tile once).
+        splits = t.get("splits") or 1
+        key = f"gemm{t['gemm']}/N{t['n']}" + (f"/k{splits}" if splits > 1 else "")
+        k = (H if t["gemm"] == 0 else I) // splits
+        # "tiles": consumer views (a split-width tile counts twice, a ping-pong tile once); /kS: one of S
+        # tasks over a GEMM0 tile's K.
         g = groups.setdefault(
             key, {"tiles": 0, "weight_bytes_per_tile": TILE_WEIGHT_ROWS * k * 2, "parts": {}}
         )
@@ -193,7 +198,7 @@ def analyse(trace: list[list[list[tuple]]], H: int, I: int) -> dict:
     for p in producer:
         if "first_issue" not in p:
             continue
-        key = f"gemm{p['gemm']}/N{p['n']}"
+        key = f"gemm{p['gemm']}/N{p['n']}" + (f"/k{p['splits']}" if p["splits"] > 1 else "")
         d = prod.setdefault(key, {})
         for name, value in (
             ("taken_to_ready", p.get("ready", p["taken"]) - p["taken"]),
@@ -217,7 +222,7 @@ def analyse(trace: list[list[list[tuple]]], H: int, I: int) -> dict:
     gemm_start = phases["gemm_start"]
     gemm_end = phases["gemm"]
     # Every task streams its weight tile once, whichever consumers computed it: count the producer's tasks.
-    weight_bytes = sum(TILE_WEIGHT_ROWS * (H if p["gemm"] == 0 else I) * 2 for p in producer)
+    weight_bytes = sum(TILE_WEIGHT_ROWS * (H if p["gemm"] == 0 else I) * 2 // p["splits"] for p in producer)
     tasks_per_block = [sum(1 for p in producer if p["block"] == blk) for blk in range(len(trace))]
     span = (max(gemm_end) - min(gemm_start)) if gemm_end and gemm_start else float("nan")
     return {

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from flashmoe import config
+from flashmoe import config, contract
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,3 +59,12 @@ def test_the_op_applies_the_max_tokens_override(monkeypatch):
     monkeypatch.delenv("FLASHMOE_MAX_TOKENS")
     moe = FlashMoE(spec, ExpertPlacement.contiguous(4, 1), device=torch.device("cpu"))
     assert moe.spec.max_tokens_per_rank == 256
+
+
+def test_gemm0_splits_are_validated(monkeypatch):
+    monkeypatch.setenv("FLASHMOE_GEMM0_SPLITS", "2")
+    assert config.gemm0_max_splits() == 2
+    for bad in ("0", str(contract.MAX_GEMM0_SPLITS + 1), "-1"):
+        monkeypatch.setenv("FLASHMOE_GEMM0_SPLITS", bad)
+        with pytest.raises(ValueError, match="FLASHMOE_GEMM0_SPLITS"):
+            config.gemm0_max_splits()

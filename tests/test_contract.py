@@ -39,7 +39,7 @@ int main() {
   VALUE("totals", kTotalRemoteBytes)
   VALUE("const", kRingSlots) VALUE("const", kRingFields) VALUE("const", kTotalsFields) VALUE("const", kMaxLayers)
   VALUE("const", kHiddenMultiple) VALUE("const", kInterMultiple) VALUE("const", kMaxTopK)
-  VALUE("const", kMaxLocalExperts) VALUE("const", kMaxWorld)
+  VALUE("const", kMaxLocalExperts) VALUE("const", kMaxWorld) VALUE("const", kMaxGemm0Splits)
   std::printf("const sizeof_status %zu\n", sizeof(Status));
   std::printf("const sizeof_capacity %zu\n", sizeof(Capacity));
   std::printf("const sizeof_runtime %zu\n", sizeof(RuntimeArgs));
@@ -121,6 +121,7 @@ def test_limits(header):
         ("kMaxTopK", "MAX_TOP_K"),
         ("kMaxLocalExperts", "MAX_LOCAL_EXPERTS"),
         ("kMaxWorld", "MAX_WORLD"),
+        ("kMaxGemm0Splits", "MAX_GEMM0_SPLITS"),
     ]:
         assert consts[cpp] == getattr(contract, py), cpp
 

@@ -37,7 +37,8 @@ struct Capacity {
   X(layer_id)     /* row of the metrics totals */ \
   X(metrics)      /* 1: timestamps and counters into the metrics ring */ \
   X(num_blocks)   /* persistent grid size of this call */ \
-  X(timeout_ns)   /* bound on every spin-wait */
+  X(timeout_ns)   /* bound on every spin-wait */ \
+  X(gemm0_max_splits)  /* 1..kMaxGemm0Splits: most K splits of a GEMM0 tile when tiles are fewer than blocks */
 
 struct RuntimeArgs {
 #define FLASHMOE_DECLARE_FIELD(name) int64_t name;
@@ -108,5 +109,6 @@ constexpr int kInterMultiple = 64;    // GEMM0 output tile (features) and GEMM1'
 constexpr int kMaxTopK = 16;          // expert lists pack the top-k slot into 4 bits
 constexpr int kMaxLocalExperts = 512; // per-rank experts: the prefix tables live in shared memory
 constexpr int kMaxWorld = 64;
+constexpr int kMaxGemm0Splits = 4;    // small T: a GEMM0 tile's K over at most this many tasks
 
 }  // namespace flashmoe

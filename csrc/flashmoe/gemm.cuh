@@ -97,6 +97,7 @@ constexpr int kEmptyOffset = kFullOffset + kMaxStages * 8;              // u64 [
 constexpr int kTaskFullOffset = kEmptyOffset + kMaxStages * 8;          // u64 [kTaskSlots]
 constexpr int kTaskEmptyOffset = kTaskFullOffset + kTaskSlots * 8;      // u64 [kTaskSlots]
 constexpr int kTaskIndexOffset = kTaskEmptyOffset + kTaskSlots * 8;     // int [kTaskSlots]
+constexpr int kSplitLastOffset = kTaskIndexOffset + kTaskSlots * 4;     // int [kConsumers]
 constexpr int kRowDstOffset = 1024;                                     // int64 [2][128]
 constexpr int kRowRankOffset = kRowDstOffset + kConsumers * kMaxTileTokens * 8;  // int [2][128]
 constexpr int kPoolOffset = 4096;
@@ -107,7 +108,8 @@ constexpr int kScaleSlotFloats = kMaxTileTokens + 8;
 constexpr int kWeightScaleSlot = kMaxTileTokens;
 constexpr int kScaleAreaBytes = kMaxStages * kScaleSlotFloats * 4;
 constexpr int kStagePoolBytes = kPoolBytes - kScaleAreaBytes;  // stages + staging
-static_assert(kTaskIndexOffset + kTaskSlots * 4 <= kRowDstOffset, "barrier area");
+static_assert(kSplitLastOffset + kConsumers * 4 <= kRowDstOffset, "barrier area");
+static_assert(kSplitRowGroups == kConsumers, "split partial sums: one row group per consumer warpgroup");
 static_assert(kRowRankOffset + kConsumers * kMaxTileTokens * 4 <= kPoolOffset, "row tables");
 
 __host__ __device__ constexpr int stage_bytes(int n) { return kStageWeightBytes + n * kRowBytesK; }
@@ -163,6 +165,7 @@ struct GemmSmem {
   __device__ uint64_t* task_full(int s) const { return reinterpret_cast<uint64_t*>(base + kTaskFullOffset) + s; }
   __device__ uint64_t* task_empty(int s) const { return reinterpret_cast<uint64_t*>(base + kTaskEmptyOffset) + s; }
   __device__ int* task_index(int s) const { return reinterpret_cast<int*>(base + kTaskIndexOffset) + s; }
+  __device__ int* split_last(int consumer) const { return reinterpret_cast<int*>(base + kSplitLastOffset) + consumer; }
 
   // Thread 0, once per launch, before the first __syncthreads.
   __device__ void init_barriers() const {
@@ -480,12 +483,77 @@ __device__ __forceinline__ void store_plain(const float (&acc)[N / 2], bf16* sta
   }
 }
 
+// ---- Split GEMM0 tiles (scheduler.cuh): each split leaves its fp32 accumulators in its own slot and counts
+// itself; the last split of the tile to count adds every slot in split order (the sum does not depend on which
+// split finished last, so results repeat bitwise) and runs the epilogue, the others are done with the tile.
+struct SplitK {
+  float* slots = nullptr;         // slot s of this consumer's rows at slots + s * kSplitSlotFloats; null: whole tile
+  uint32_t* arrivals = nullptr;   // splits of (tile, rows) counted so far this call
+  int* last = nullptr;            // shared word: the warpgroup's answer
+  int split = 0, splits = 1;
+};
+
+// Returns whether this consumer warpgroup holds the tile's whole sum in acc (it was the last split, or the tile
+// is not split). Slots are written and read through L2 (other SMs wrote the ones read); thread 0's fences
+// around the count make the release/acquire of the classic threadfence reduction.
+template <int kHalves, int kValues>
+__device__ __forceinline__ bool reduce_split(float (&acc)[kHalves][kValues], const SplitK& sk, int consumer) {
+  if (sk.slots == nullptr) return true;
+  static_assert(kValues % 4 == 0 && kHalves * kValues * 128 <= kSplitSlotFloats, "a split slot holds the sums");
+  const int tid = threadIdx.x & 127;
+  const auto slot = [&](int s) { return reinterpret_cast<float4*>(sk.slots + s * kSplitSlotFloats) + tid; };
+  float4* const mine = slot(sk.split);
+#pragma unroll
+  for (int h = 0; h < kHalves; ++h)
+#pragma unroll
+    for (int i = 0; i < kValues; i += 4)
+      __stcg(mine + (h * kValues + i) / 4 * 128, make_float4(acc[h][i], acc[h][i + 1], acc[h][i + 2], acc[h][i + 3]));
+  consumer_sync(consumer);
+  if (tid == 0) {
+    __threadfence();  // every thread's slot stores (ordered by the barrier) before the count
+    const bool last = atomicAdd(sk.arrivals, 1u) == static_cast<uint32_t>(sk.splits - 1);
+    if (last) __threadfence();  // and the other splits' stores before our reads
+    *sk.last = last;
+  }
+  consumer_sync(consumer);
+  if (!*reinterpret_cast<volatile int*>(sk.last)) return false;
+  // The sum, own slot included, read back in split order: acc is dead across the count, which keeps the
+  // mainloop's registers as they were.
+#pragma unroll
+  for (int h = 0; h < kHalves; ++h)
+#pragma unroll
+    for (int i = 0; i < kValues; i += 4) {
+      const float4 v = __ldcg(slot(0) + (h * kValues + i) / 4 * 128);
+      acc[h][i] = v.x;
+      acc[h][i + 1] = v.y;
+      acc[h][i + 2] = v.z;
+      acc[h][i + 3] = v.w;
+    }
+  for (int s = 1; s < sk.splits; ++s)
+#pragma unroll
+    for (int h = 0; h < kHalves; ++h)
+#pragma unroll
+      for (int i = 0; i < kValues; i += 4) {
+        const float4 v = __ldcg(slot(s) + (h * kValues + i) / 4 * 128);
+        acc[h][i] += v.x;
+        acc[h][i + 1] += v.y;
+        acc[h][i + 2] += v.z;
+        acc[h][i + 3] += v.w;
+      }
+  return true;
+}
+
 // What a consumer's epilogue finds in its staging area after mma_tile_to_staging: `features` bf16 columns per
 // token row, `stride` elements apart, starting at tile feature `first_feature` (GEMM0: SwiGLU'd intermediate
 // features of the tile's 64; GEMM1: output features of the tile's 128).
 struct Staged {
-  const bf16* rows;
+  const bf16* rows;  // null: a split GEMM0 tile whose epilogue another split runs
   int stride, features, first_feature;
+};
+
+struct TileDone {
+  PipeState st;
+  bool staged;  // false: a split tile's other split has the sum
 };
 
 // The one entry point of the consumer side: run a tile's mainloop and leave its bf16 rows in the consumer's
@@ -494,17 +562,18 @@ struct Staged {
 // Smem layout and pipeline state travel by value, so the mainloop keeps them in registers; one function per
 // tile shape keeps ptxas's wgmma pipeline analysis to one accumulator set.
 template <bool kGateUp, int N>
-static __device__ __noinline__ PipeState mma_tile_to_staging(const Params& p, const GemmSmem g, PipeState st, int k_steps,
-                                                      bf16* staging) {
+static __device__ __noinline__ TileDone mma_tile_to_staging(const Params& p, const GemmSmem g, PipeState st,
+                                                            int k_steps, bf16* staging, SplitK sk) {
   constexpr int kHalves = ping_pong(N, false) ? 2 : 1;
   float acc[kHalves][N / 2];
   consume_tile<N>(p, g, st, k_steps, acc);
+  if (!reduce_split(acc, sk, threadIdx.x / 128 - 1)) return TileDone{st, false};
 #pragma unroll
   for (int h = 0; h < kHalves; ++h) {
     if constexpr (kGateUp) store_swiglu<N>(acc[h], staging, staging_stride(N, false), h * kConsumerRows / 2);
     else store_plain<N>(acc[h], staging, staging_stride(N, false), h * kConsumerRows);
   }
-  return st;
+  return TileDone{st, true};
 }
 
 // fp8: GEMM0 (kGateUp: fp32 SwiGLU values at fp32 staging column `column`) or GEMM1 (bf16 rows).
@@ -522,17 +591,23 @@ static __device__ __noinline__ PipeState mma_fp8_tile_to_staging(const Params& p
   return st;
 }
 
+// `sk`: the split of a split GEMM0 tile (bf16), default: the whole tile.
 template <bool kGateUp, bool kFp8 = false>
 __device__ __forceinline__ Staged mma_tile_to_staging(const Params& p, const GemmSmem& g, PipeState& st,
-                                                      int tile_tokens, int k_steps) {
+                                                      int tile_tokens, int k_steps, const SplitK& sk = SplitK{}) {
   const int consumer = threadIdx.x / 128 - 1;
   Staged out{};
   with_tile_tokens<kFp8>(tile_tokens, [&](auto tile) {
     constexpr int N = decltype(tile)::value;
     st.enter<kFp8>(N);
     bf16* staging = g.staging(consumer, N, kFp8);
-    if constexpr (kFp8) st = mma_fp8_tile_to_staging<false, N>(p, g, st, k_steps, staging, 0);
-    else st = mma_tile_to_staging<kGateUp, N>(p, g, st, k_steps, staging);
+    if constexpr (kFp8) {
+      st = mma_fp8_tile_to_staging<false, N>(p, g, st, k_steps, staging, 0);
+    } else {
+      const TileDone done = mma_tile_to_staging<kGateUp, N>(p, g, st, k_steps, staging, sk);
+      st = done.st;
+      if (!done.staged) return;  // out.rows stays null
+    }
     const int rows = consumer_rows(N, kFp8);  // weight rows this consumer computed
     const int first_row = ping_pong(N, kFp8) ? 0 : consumer * kConsumerRows;
     out = Staged{staging, staging_stride(N, kFp8), kGateUp ? rows / 2 : rows, kGateUp ? first_row / 2 : first_row};

@@ -14,7 +14,8 @@
 //   workspace  expert_rows   E_l*W*T*4        per local expert: received (row, j) entries
 //              act           W*T*min(k,E_l)*I*2   SwiGLU activations, grouped by expert (fp8 layers: e4m3)
 //              act_scales    W*T*min(k,E_l)*(I/128)*4  fp8 layers: their per-128-group scales
-//              counters      small (per rank, per local expert, per call)
+//              gemm0_partials 2*B*2*32 KiB   split GEMM0 tiles (small T): fp32 partial sums per (tile, rows, split)
+//              counters      small (per rank, per local expert, per call; split arrivals 2*B)
 #pragma once
 
 #include <cstdint>
@@ -41,6 +42,8 @@ struct WorkspaceLayout {
   int64_t rank_send_count;   // [W] u32   rows this rank sends to each destination (atomic slots)
   int64_t expert_count;      // [E_l] u32 rows received per local expert
   int64_t gemm0_done;        // [E_l][I/64] u32 GEMM0 tile completions per (local expert, feature tile); fp8: I/128
+  int64_t gemm0_partials;    // fp32 [tile][consumer rows][split][kSplitSlotFloats] of split GEMM0 tiles
+  int64_t gemm0_split_arrivals;  // [tile][consumer rows] u32 splits of a GEMM0 tile finished this call
   int64_t task_counter;      // u32       GEMM tasks taken by the blocks this call
   int64_t remote_entries;    // u32       received (row, j) entries from other ranks (metrics)
   int64_t barrier;           // u32       grid barrier word
@@ -51,6 +54,13 @@ struct WorkspaceLayout {
 
 // Put path: one GEMM1 output tile per block (up to 128 tokens x 128 features, bf16).
 constexpr int64_t kCombineStageBytesPerBlock = 128 * kHiddenMultiple * 2;
+
+// Split GEMM0 tiles (scheduler.cuh): a slot holds one consumer warpgroup's fp32 accumulators of one split (64
+// per thread: 128 rows x 64 tokens, or 64 rows x 128). A call splits only when its GEMM0 tiles are fewer than
+// its blocks and keeps tiles x splits <= kSplitTasksPerBlock x blocks, so 2 x B x kConsumers slots suffice.
+constexpr int64_t kSplitSlotFloats = 128 * 64;
+constexpr int kSplitTasksPerBlock = 2;
+constexpr int kSplitRowGroups = 2;  // = kConsumers: a split-width tile's two consumers keep their own sums
 
 __host__ __device__ inline int64_t meta_stride(int64_t top_k) { return 1 + top_k; }
 
@@ -88,6 +98,8 @@ __host__ __device__ inline WorkspaceLayout workspace_layout(const Capacity& c) {
   l.rank_send_count = take(c.world_size * 4);
   l.expert_count = take(c.max_local * 4);
   l.gemm0_done = take(c.max_local * (c.intermediate_size / kInterMultiple) * 4);
+  l.gemm0_partials = take(kSplitTasksPerBlock * c.num_blocks * kSplitRowGroups * kSplitSlotFloats * 4);
+  l.gemm0_split_arrivals = take(c.num_blocks * kSplitRowGroups * 4);
   l.task_counter = take(4);
   l.remote_entries = take(4);
   l.barrier = take(4);

@@ -131,6 +131,8 @@ __device__ void moe_layer(const Params& p) {
     uint32_t* gemm0_done = ws_ptr<uint32_t>(p, p.ws_off.gemm0_done);
     const int pairs = p.num_local * (p.intermediate_size / kInterMultiple);
     for (int i = threadIdx.x; i < pairs; i += blockDim.x) gemm0_done[i] = 0;
+    uint32_t* split_arrivals = ws_ptr<uint32_t>(p, p.ws_off.gemm0_split_arrivals);
+    for (int i = threadIdx.x; i < static_cast<int>(gridDim.x) * kSplitRowGroups; i += blockDim.x) split_arrivals[i] = 0;
   }
 
   // 4. Combine.

@@ -24,6 +24,7 @@ struct Params {
   int node_size;     // EP ranks per node (contiguous blocks): peers on other nodes get puts
   int layer_id;
   int metrics;       // 1: write the metrics ring
+  int gemm0_max_splits;  // 1..kMaxGemm0Splits (scheduler.cuh)
   uint64_t timeout_ns;
 
   // Inputs and output.

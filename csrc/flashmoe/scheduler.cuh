@@ -14,6 +14,11 @@
 //
 // Each expert gets the smallest token tile that holds its rows (32, 64, else 128-row tiles; fp8 64-row tiles),
 // so decode experts with a handful of rows cost one weight pass.
+//
+// Small T: a call with fewer GEMM0 tiles than blocks (T = 1 at EP4: 96 tiles of 512 KiB for 132 SMs) would
+// leave SMs without GEMM0 weights to stream while GEMM0, the critical path, runs at one SM's share of HBM per
+// tile. Each GEMM0 tile's K is then split over `gemm0_splits` tasks (adjacent in the queue); each keeps its fp32
+// partial sums, and the last of a tile to finish adds them in split order and runs the epilogue (gemm.cuh).
 #pragma once
 
 #include "common.cuh"
@@ -80,6 +85,11 @@ struct Task {
   int first_row;     // first row of the token tile within the expert's rows
   int rows;          // valid rows in the token tile (1..tile_tokens)
   int tile_tokens;   // 32, 64 or 128
+  int k_first;       // first K step of this task (split GEMM0 tiles), else 0
+  int k_steps;       // K steps of this task
+  int split;         // which of `splits` K ranges of its tile (GEMM0), else 0 of 1
+  int splits;
+  int tile;          // GEMM0: the tile's index among the call's GEMM0 tiles (unsplit)
 };
 
 constexpr int kGemm0TileFeatures = kInterMultiple;   // 64 intermediate features (x2 rows: gate and up)
@@ -89,16 +99,42 @@ constexpr int kGemm1TileFeatures = kHiddenMultiple;  // 128 hidden features
 __host__ __device__ constexpr int gemm0_task_features(bool fp8) { return fp8 ? kTileKFp8 : kGemm0TileFeatures; }
 
 struct TaskCounts {
-  int gemm0, total;
+  int gemm0, total;      // tasks (GEMM0 tasks = tiles x splits)
+  int gemm0_splits;      // K splits of every GEMM0 tile this call
   int feature_tiles[2];  // per GEMM
+  int k_steps[2];        // K steps of a whole tile, per GEMM
 };
+
+// Fewest K steps of a split: a shorter task spends more of itself filling the ring and in its epilogue.
+constexpr int kMinSplitKSteps = 8;
+
+// K splits of each GEMM0 tile: 1 unless the tiles are fewer than the blocks; then the largest power of two up
+// to `max_splits` that keeps tiles x splits within kSplitTasksPerBlock x blocks (the partial-sum slots of
+// layout.cuh) and splits K evenly into at least kMinSplitKSteps steps. bf16 only: an fp8 GEMM0 task's epilogue
+// quantises from both its passes' fp32 values, which a split would have to carry as well.
+__host__ __device__ constexpr int gemm0_splits(bool fp8, int tiles, int blocks, int k_steps, int max_splits) {
+  int s = 1;
+  if (fp8 || tiles >= blocks) return s;
+  while (2 * s <= max_splits && tiles * 2 * s <= kSplitTasksPerBlock * blocks && k_steps % (2 * s) == 0 &&
+         k_steps / (2 * s) >= kMinSplitKSteps)
+    s *= 2;
+  return s;
+}
+static_assert(gemm0_splits(false, 96, 132, 32, 4) == 2 && gemm0_splits(false, 48, 132, 32, 4) == 4 &&
+                  gemm0_splits(false, 132, 132, 32, 4) == 1 && gemm0_splits(false, 24, 132, 16, 4) == 2 &&
+                  gemm0_splits(true, 24, 132, 16, 4) == 1 && gemm0_splits(false, 24, 132, 32, 1) == 1,
+              "GEMM0 split rule");
 
 template <bool kFp8>
 __device__ __forceinline__ TaskCounts task_counts(const Params& p, const ExpertTable& t) {
   TaskCounts c;
   c.feature_tiles[0] = p.intermediate_size / gemm0_task_features(kFp8);
   c.feature_tiles[1] = p.hidden_size / kGemm1TileFeatures;
-  c.gemm0 = t.tile_offset[p.num_local] * c.feature_tiles[0];
+  c.k_steps[0] = p.hidden_size / tile_k(kFp8);
+  c.k_steps[1] = p.intermediate_size / tile_k(kFp8);
+  const int tiles0 = t.tile_offset[p.num_local] * c.feature_tiles[0];
+  c.gemm0_splits = gemm0_splits(kFp8, tiles0, static_cast<int>(gridDim.x), c.k_steps[0], p.gemm0_max_splits);
+  c.gemm0 = tiles0 * c.gemm0_splits;
   c.total = c.gemm0 + t.tile_offset[p.num_local] * c.feature_tiles[1];
   return c;
 }
@@ -115,7 +151,17 @@ template <bool kFp8>
 __device__ __forceinline__ Task decode_task(const ExpertTable& t, int num_local, const TaskCounts& c, int index) {
   Task k;
   k.gemm = index >= c.gemm0;
-  if (k.gemm) index -= c.gemm0;
+  k.splits = k.gemm ? 1 : c.gemm0_splits;
+  if (k.gemm) {
+    index -= c.gemm0;
+    k.split = k.tile = 0;
+  } else {
+    k.split = index % k.splits;  // a tile's splits are neighbours in the queue: taken at about the same time
+    index /= k.splits;
+    k.tile = index;
+  }
+  k.k_steps = c.k_steps[k.gemm] / k.splits;
+  k.k_first = k.split * k.k_steps;
   const int feature_tiles = c.feature_tiles[k.gemm];
   int lo = 0, hi = num_local - 1;
   while (lo < hi) {

@@ -102,14 +102,19 @@ static __device__ __noinline__ void produce_tasks(const Params& p, const GemmSme
   while ((index = next_task(p, g, queue, counts.total)) >= 0) {
     const Task task = decode_task<kFp8>(table, p.num_local, counts, index);
     trace(kTraceProducerTask, index, task.gemm << 24 | task.expert,
-          task.feature_tile << 16 | task.tile_tokens << 8 | task.rows);
-    const int k_steps = (task.gemm == 0 ? p.hidden_size : p.intermediate_size) / tile_k(kFp8);
+          task.splits << 28 | task.feature_tile << 16 | task.tile_tokens << 8 | task.rows);
+    const int k_steps = task.k_steps;
     const int reserve_step = k_steps > kReserveStages ? k_steps - kReserveStages : 0;
     if (task.gemm == 0) {
       trace(kTraceProducerReady);
       const int* list = expert_list(p, task.expert) + task.first_row;
-      const auto row_at = [&](int r) { return recv + static_cast<int64_t>(ldcg(list + r) >> 4) * hidden_row_bytes; };
-      const auto scale_at = [&](int r) { return recv_scales + static_cast<int64_t>(ldcg(list + r) >> 4) * hidden_groups; };
+      // A split task reads K steps [k_first, k_first + k_steps) of the rows and weights.
+      const auto row_at = [&](int r) {
+        return recv + static_cast<int64_t>(ldcg(list + r) >> 4) * hidden_row_bytes + task.k_first * kRowBytesK;
+      };
+      const auto scale_at = [&](int r) {
+        return recv_scales + static_cast<int64_t>(ldcg(list + r) >> 4) * hidden_groups + task.k_first;
+      };
       // fp8: the gate and up rows of the task's 128 features are one weight block each (per K step).
       const float* gate_scale =
           kFp8 ? p.w13_scale + (static_cast<int64_t>(task.expert) * 2 * inter_groups + task.feature_tile) * hidden_groups
@@ -122,10 +127,11 @@ static __device__ __noinline__ void produce_tasks(const Params& p, const GemmSme
         produce_tile<kFp8>(
             p, g, st, task.tile_tokens, task.rows, k_steps, row_at, scale_at,
             [&](char* stage, uint64_t* full, int ks, uint32_t weight_scales) {
-              tma_load_5d(stage, &p.tmap_w13, full, ks * tile_k(kFp8), 0, 0, feature_group, task.expert, stream_policy);
+              const int k = task.k_first + ks;
+              tma_load_5d(stage, &p.tmap_w13, full, k * tile_k(kFp8), 0, 0, feature_group, task.expert, stream_policy);
               if constexpr (kFp8) {
-                cp_async_4(weight_scales, gate_scale + ks, true);
-                cp_async_4(weight_scales + 4, up_scale + ks, true);
+                cp_async_4(weight_scales, gate_scale + k, true);
+                cp_async_4(weight_scales + 4, up_scale + k, true);
               }
               if (pass == kPasses - 1 && ks == reserve_step) reserve_task(p, queue);
             },
@@ -274,6 +280,17 @@ __device__ __forceinline__ int64_t store_outputs(const Params& p, const PeerTabl
   return remote_bytes;
 }
 
+// This consumer's part of a split GEMM0 tile (gemm.cuh reduce_split), or the whole tile. A split-width tile's
+// consumers each sum their own 64 rows; a ping-pong tile's owner all 128.
+__device__ __forceinline__ SplitK split_k(const Params& p, const GemmSmem& g, const Task& task, int consumer) {
+  if (task.splits == 1) return SplitK{};
+  const int rows = ping_pong(task.tile_tokens, false) ? 0 : consumer;
+  const int64_t group = static_cast<int64_t>(task.tile) * kSplitRowGroups + rows;
+  return SplitK{ws_ptr<float>(p, p.ws_off.gemm0_partials) + group * task.splits * kSplitSlotFloats,
+                ws_ptr<uint32_t>(p, p.ws_off.gemm0_split_arrivals) + group, g.split_last(consumer), task.split,
+                task.splits};
+}
+
 __device__ __forceinline__ void trace_mma_done(const PipeState& st) {
 #if FLASHMOE_TRACE
   trace_at(kTraceConsumerFirstFull, st.trace_first_full);
@@ -298,7 +315,7 @@ __device__ int64_t consume_tasks(const Params& p, const PeerTable& peers, bool a
   int index;
   while ((index = next_task(p, g, queue, counts.total)) >= 0) {
     const Task task = decode_task<kFp8>(table, p.num_local, counts, index);
-    const int k_steps = (task.gemm == 0 ? p.hidden_size : p.intermediate_size) / tile_k(kFp8);
+    const int k_steps = task.k_steps;
     if (ping_pong(task.tile_tokens, kFp8) && (ping_pong_tiles++ & 1) != consumer) {
       const int passes = kFp8 && task.gemm == 0 ? kFp8Gemm0Passes : 1;
       skip_tile<kFp8>(st, task.tile_tokens, passes * k_steps);
@@ -311,10 +328,12 @@ __device__ int64_t consume_tasks(const Params& p, const PeerTable& peers, bool a
         trace_mma_done(st);
         store_activations_fp8(p, g, table, task, staging, consumer);
       } else {
-        const Staged staged = mma_tile_to_staging<true>(p, g, st, task.tile_tokens, k_steps);
+        const Staged staged = mma_tile_to_staging<true>(p, g, st, task.tile_tokens, k_steps, split_k(p, g, task, consumer));
         trace_mma_done(st);
-        consumer_sync(consumer);
-        store_activations(p, g, table, task, staged, consumer);
+        if (staged.rows != nullptr) {  // the whole tile, or the last of its splits
+          consumer_sync(consumer);
+          store_activations(p, g, table, task, staged, consumer);
+        }
       }
     } else {
       const Staged staged = mma_tile_to_staging<false, kFp8>(p, g, st, task.tile_tokens, k_steps);

@@ -12,6 +12,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from .contract import MAX_GEMM0_SPLITS
+
 
 @dataclass(frozen=True)
 class EnvVar:
@@ -31,6 +33,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("FLASHMOE_FORCE_PUT", "0", "1 sends dispatch/combine through NVSHMEM put-with-signal even to NVLink peers (the multi-node path, testable on one node)."),
     EnvVar("FLASHMOE_NODE_SIZE", "0", "EP ranks per node (nodes are contiguous rank blocks): peers on other nodes get NVSHMEM puts, same-node peers NVLink stores; 0 = the launcher's LOCAL_WORLD_SIZE if it divides the EP world, else one node. Smaller than the real node simulates several nodes on one host."),
     EnvVar("FLASHMOE_NUM_BLOCKS", "0", "Persistent grid size (SM budget); 0 = every SM the occupancy check allows."),
+    EnvVar("FLASHMOE_GEMM0_SPLITS", "4", "Most tasks one GEMM0 tile's K is split over when a call has fewer GEMM0 tiles than blocks (small T: every SM streams weights, the last to finish adds the fp32 partials in a fixed order); 1 = never split (for A/B measurement)."),
     EnvVar("FLASHMOE_MAX_TOKENS", "0", "Max tokens per rank per call the symmetric buffers are sized for; 0 = what the engine reports."),
     EnvVar("FLASHMOE_TP_SLICE", "1", "vLLM TP+EP (tokens replicated over the EP group): 1 = each rank dispatches its 1/W slice of the tokens and the combined slices are all-gathered; 0 = every rank dispatches all of them (for A/B measurement)."),
     EnvVar("FLASHMOE_SKIP_PADDING", "1", "vLLM with DP: 1 = a rank's dummy steps (slot mapping -1) send no tokens to the experts (padding_marker); 0 = they are computed like real tokens, as vLLM's own paths do (for A/B measurement)."),
@@ -145,6 +148,14 @@ def force_put() -> bool:
 def node_size() -> int:
     """FLASHMOE_NODE_SIZE; 0 = not set (flashmoe.topology decides)."""
     return env_int("FLASHMOE_NODE_SIZE")
+
+
+def gemm0_max_splits() -> int:
+    """FLASHMOE_GEMM0_SPLITS, checked against the kernel's limit."""
+    value = env_int("FLASHMOE_GEMM0_SPLITS")
+    if not 1 <= value <= MAX_GEMM0_SPLITS:
+        raise ValueError(f"FLASHMOE_GEMM0_SPLITS={value}: expected 1..{MAX_GEMM0_SPLITS}")
+    return value
 
 
 def num_blocks() -> int:

@@ -53,6 +53,9 @@ class RuntimeArgs:
     metrics: int  # 1: timestamps and counters into the metrics ring
     num_blocks: int  # persistent grid size of this call
     timeout_ns: int  # bound on every spin-wait
+    gemm0_max_splits: (
+        int  # 1..MAX_GEMM0_SPLITS: most K splits of a GEMM0 tile when tiles are fewer than blocks
+    )
 
     def as_list(self) -> list[int]:
         return [int(v) for v in astuple(self)]
@@ -116,3 +119,4 @@ INTER_MULTIPLE = 64
 MAX_TOP_K = 16
 MAX_LOCAL_EXPERTS = 512
 MAX_WORLD = 64
+MAX_GEMM0_SPLITS = 4  # small T: a GEMM0 tile's K over at most this many tasks

@@ -103,6 +103,7 @@ class MegaKernelLayer:
             metrics=int(self.metrics),
             num_blocks=self.num_blocks,
             timeout_ns=self.timeout_ns,
+            gemm0_max_splits=config.gemm0_max_splits(),
         )
         self.runtime_list = self.runtime.as_list()  # fixed for the layer's life: built once, not per call
 
