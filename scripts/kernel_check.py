@@ -258,13 +258,27 @@ def build_info() -> str:
     return build.load().build_info()
 
 
-def time_case(shape, T, gen, device, l2, replays, fp8=False) -> dict:
+def unsplit_layer(shape, fp8=False) -> FlashMoE:
+    """The same layer with GEMM0 tiles never split over K (FLASHMOE_GEMM0_SPLITS=1, read at construction)."""
+    old = os.environ.get("FLASHMOE_GEMM0_SPLITS")
+    os.environ["FLASHMOE_GEMM0_SPLITS"] = "1"
+    try:
+        return layer(shape, fp8)
+    finally:
+        if old is None:
+            del os.environ["FLASHMOE_GEMM0_SPLITS"]
+        else:
+            os.environ["FLASHMOE_GEMM0_SPLITS"] = old
+
+
+def time_case(shape, T, gen, device, l2, replays, fp8=False, unsplit=False) -> dict:
     E, k, H, I = SHAPES[shape]
     bytes_per_weight = 1 + 4 / 128**2 if fp8 else 2
     weight_bytes = E * 3 * H * I * bytes_per_weight
     L = layers_for(int(weight_bytes), l2, min_layers=4)
     moe = layer(shape, fp8)
     bf16_moe = layer(shape) if fp8 else None  # the bf16 layer on the same rows, timed beside it
+    unsplit_moe = unsplit_layer(shape, fp8) if unsplit else None
     layers = []
     for _ in range(L):
         x, w13, w2, scales = draw_layer(E, H, I, T, gen, device, fp8)
@@ -300,8 +314,17 @@ def time_case(shape, T, gen, device, l2, replays, fp8=False) -> dict:
             a = F.silu(h[:, :I]) * h[:, I:]
             torch._grouped_mm(a, w2.transpose(1, 2), offs=lay["offs"])
 
+    def run_unsplit():
+        for lay in layers:
+            extra = dict(w13_scale_inv=lay["w13_scale_inv"], w2_scale_inv=lay["w2_scale_inv"]) if fp8 else {}
+            unsplit_moe(lay["x"], lay["ids"], lay["w"], lay["w13"], lay["w2"], out=lay["out"], **extra)
+
     fm = CallTimes([t / L for t in graph_times(run_flashmoe, device, replays).seconds])
     phases = phase_breakdown(moe.layer_id)
+    # A/B of the small-T GEMM0 split: unsplit, then the default again (drift shows as a changed second p50).
+    if unsplit:
+        un = CallTimes([t / L for t in graph_times(run_unsplit, device, replays).seconds])
+        fm_again = CallTimes([t / L for t in graph_times(run_flashmoe, device, replays).seconds])
     gm = CallTimes([t / L for t in graph_times(run_grouped, device, replays).seconds])
     bf = CallTimes([t / L for t in graph_times(run_bf16, device, replays).seconds]) if fp8 else None
     flops = 6 * pairs * H * I
@@ -322,6 +345,9 @@ def time_case(shape, T, gen, device, l2, replays, fp8=False) -> dict:
     )
     if bf is not None:
         row["flashmoe_bf16_us"] = [bf.quantile(q) * 1e6 for q in (0.1, 0.5, 0.9)]
+    if unsplit:
+        row["unsplit_us"] = [un.quantile(q) * 1e6 for q in (0.1, 0.5, 0.9)]
+        row["flashmoe_again_us"] = [fm_again.quantile(q) * 1e6 for q in (0.1, 0.5, 0.9)]
     row["flashmoe_tflops"] = flops / (row["flashmoe_us"][1] * 1e-6) / 1e12
     row["grouped_mm_tflops"] = flops / (row["grouped_mm_us"][1] * 1e-6) / 1e12
     print(
@@ -329,6 +355,11 @@ def time_case(shape, T, gen, device, l2, replays, fp8=False) -> dict:
         f"(p90/p10 {row['flashmoe_us'][2] / row['flashmoe_us'][0]:.2f}) grouped_mm {row['grouped_mm_us'][1]:8.1f} us "
         f"floor {row['floor_us']:7.1f} us"
         + (f" bf16 layer {row['flashmoe_bf16_us'][1]:.1f} us" if bf is not None else "")
+        + (
+            f" unsplit {row['unsplit_us'][1]:.1f} us, default again {row['flashmoe_again_us'][1]:.1f} us"
+            if unsplit
+            else ""
+        )
         + " | phases "
         + " ".join(f"{k} {v:.1f}" for k, v in phases.items()),
         flush=True,
@@ -349,6 +380,11 @@ def main():
     ap.add_argument("--case", type=int, default=None, help="run only this check case (index into CHECKS)")
     ap.add_argument("--adhoc", default="", help="E,k,H,I,T,routing: check this one case only")
     ap.add_argument("--replays", type=int, default=50)
+    ap.add_argument(
+        "--unsplit",
+        action="store_true",
+        help="also time each case with GEMM0 tiles never split over K (FLASHMOE_GEMM0_SPLITS=1), same rows",
+    )
     ap.add_argument(
         "--dtype", choices=("bf16", "fp8"), default="bf16", help="weight format of the checks and timings"
     )
@@ -386,7 +422,9 @@ def main():
     result["check_seconds"] = time.time() - t0
     if not args.check_only:
         l2 = l2_bytes(device)
-        result["timings"] = [time_case(s, t, gen, device, l2, args.replays, fp8) for s, t in TIMINGS]
+        result["timings"] = [
+            time_case(s, t, gen, device, l2, args.replays, fp8, args.unsplit) for s, t in TIMINGS
+        ]
     Path(args.out).write_text(json.dumps(result, indent=1))
     failed = [c for c in result["checks"] if not c["ok"]]
     print(f"\n{len(result['checks']) - len(failed)}/{len(result['checks'])} checks ok")

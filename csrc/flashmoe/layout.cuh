@@ -14,7 +14,7 @@
 //   workspace  expert_rows   E_l*W*T*4        per local expert: received (row, j) entries
 //              act           W*T*min(k,E_l)*I*2   SwiGLU activations, grouped by expert (fp8 layers: e4m3)
 //              act_scales    W*T*min(k,E_l)*(I/128)*4  fp8 layers: their per-128-group scales
-//              gemm0_partials 2*B*2*32 KiB   split GEMM0 tiles (small T): fp32 partial sums per (tile, rows, split)
+//              gemm0_partials B*2*32 KiB     split GEMM0 tiles (small T): fp32 partial sums per (tile, rows, split)
 //              counters      small (per rank, per local expert, per call; split arrivals 2*B)
 #pragma once
 
@@ -56,10 +56,9 @@ struct WorkspaceLayout {
 constexpr int64_t kCombineStageBytesPerBlock = 128 * kHiddenMultiple * 2;
 
 // Split GEMM0 tiles (scheduler.cuh): a slot holds one consumer warpgroup's fp32 accumulators of one split (64
-// per thread: 128 rows x 64 tokens, or 64 rows x 128). A call splits only when its GEMM0 tiles are fewer than
-// its blocks and keeps tiles x splits <= kSplitTasksPerBlock x blocks, so 2 x B x kConsumers slots suffice.
+// per thread: 128 rows x 64 tokens, or 64 rows x 128). A call keeps GEMM0 tiles x splits <= blocks, so
+// B x kConsumers slots suffice.
 constexpr int64_t kSplitSlotFloats = 128 * 64;
-constexpr int kSplitTasksPerBlock = 2;
 constexpr int kSplitRowGroups = 2;  // = kConsumers: a split-width tile's two consumers keep their own sums
 
 __host__ __device__ inline int64_t meta_stride(int64_t top_k) { return 1 + top_k; }
@@ -98,7 +97,7 @@ __host__ __device__ inline WorkspaceLayout workspace_layout(const Capacity& c) {
   l.rank_send_count = take(c.world_size * 4);
   l.expert_count = take(c.max_local * 4);
   l.gemm0_done = take(c.max_local * (c.intermediate_size / kInterMultiple) * 4);
-  l.gemm0_partials = take(kSplitTasksPerBlock * c.num_blocks * kSplitRowGroups * kSplitSlotFloats * 4);
+  l.gemm0_partials = take(c.num_blocks * kSplitRowGroups * kSplitSlotFloats * 4);
   l.gemm0_split_arrivals = take(c.num_blocks * kSplitRowGroups * 4);
   l.task_counter = take(4);
   l.remote_entries = take(4);

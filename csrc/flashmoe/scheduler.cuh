@@ -108,21 +108,23 @@ struct TaskCounts {
 // Fewest K steps of a split: a shorter task spends more of itself filling the ring and in its epilogue.
 constexpr int kMinSplitKSteps = 8;
 
-// K splits of each GEMM0 tile: 1 unless the tiles are fewer than the blocks; then the largest power of two up
-// to `max_splits` that keeps tiles x splits within kSplitTasksPerBlock x blocks (the partial-sum slots of
-// layout.cuh) and splits K evenly into at least kMinSplitKSteps steps. bf16 only: an fp8 GEMM0 task's epilogue
+// K splits of each GEMM0 tile: the largest power of two up to `max_splits` whose tasks still all start at once
+// (tiles x splits <= blocks) and that splits K evenly into at least kMinSplitKSteps steps; 1 when the tiles
+// already fill the blocks. One wave, not more: measured at T = 1 (96 tiles for 132 blocks), two splits (192
+// tasks, 1.45 waves) were 2-4 us slower than none -- the first wave already streams at HBM rate, and the
+// second wave's splits come after it (benchmarks/kernel-notes.md). bf16 only: an fp8 GEMM0 task's epilogue
 // quantises from both its passes' fp32 values, which a split would have to carry as well.
 __host__ __device__ constexpr int gemm0_splits(bool fp8, int tiles, int blocks, int k_steps, int max_splits) {
   int s = 1;
-  if (fp8 || tiles >= blocks) return s;
-  while (2 * s <= max_splits && tiles * 2 * s <= kSplitTasksPerBlock * blocks && k_steps % (2 * s) == 0 &&
-         k_steps / (2 * s) >= kMinSplitKSteps)
+  if (fp8) return s;
+  while (2 * s <= max_splits && tiles * 2 * s <= blocks && k_steps % (2 * s) == 0 && k_steps / (2 * s) >= kMinSplitKSteps)
     s *= 2;
   return s;
 }
-static_assert(gemm0_splits(false, 96, 132, 32, 4) == 2 && gemm0_splits(false, 48, 132, 32, 4) == 4 &&
-                  gemm0_splits(false, 132, 132, 32, 4) == 1 && gemm0_splits(false, 24, 132, 16, 4) == 2 &&
-                  gemm0_splits(true, 24, 132, 16, 4) == 1 && gemm0_splits(false, 24, 132, 32, 1) == 1,
+static_assert(gemm0_splits(false, 96, 132, 32, 4) == 1 && gemm0_splits(false, 48, 132, 32, 4) == 2 &&
+                  gemm0_splits(false, 24, 132, 32, 4) == 4 && gemm0_splits(false, 24, 132, 16, 4) == 2 &&
+                  gemm0_splits(true, 24, 132, 16, 4) == 1 && gemm0_splits(false, 24, 132, 32, 1) == 1 &&
+                  gemm0_splits(false, 12, 132, 32, 4) == 4,
               "GEMM0 split rule");
 
 template <bool kFp8>
