@@ -72,12 +72,16 @@ CUtensorMap w13_map(bool fp8, const void* w13, int num_local, int hidden_size, i
   return tile_map<5>(fp8, w13, dims, strides, box, "w13");
 }
 
-// w2 [E_l, H, I] as [E_l H][I]: one box is the 128 output-feature rows of a GEMM1 tile.
+// w2 [E_l, H, I] as [E_l H / 8][8][I]: one box (128 bytes of k, 8 rows, 16 row groups) is the 128 output-feature
+// rows of a GEMM1 tile, in the same shared-memory order as a 2-D box of 128 rows. The 3-D view streams faster:
+// one SM pulled 101 GB/s through it against 64 GB/s through the 128-row 2-D box
+// (benchmarks/results/2026-11-22-h200x1-tma-stream-per-sm.txt), which bounds a GEMM1 tile when HBM is not busy.
 CUtensorMap w2_map(bool fp8, const void* w2, int num_local, int hidden_size, int intermediate_size) {
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(intermediate_size), static_cast<cuuint64_t>(num_local) * hidden_size};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(intermediate_size) * (fp8 ? 1 : 2)};
-  const cuuint32_t box[2] = {static_cast<cuuint32_t>(tile_k(fp8)), kTileWeightRows};
-  return tile_map<2>(fp8, w2, dims, strides, box, "w2");
+  const cuuint64_t I = intermediate_size, bytes = fp8 ? 1 : 2;
+  const cuuint64_t dims[3] = {I, 8, static_cast<cuuint64_t>(num_local) * hidden_size / 8};
+  const cuuint64_t strides[2] = {I * bytes, 8 * I * bytes};
+  const cuuint32_t box[3] = {static_cast<cuuint32_t>(tile_k(fp8)), 8, kTileWeightRows / 8};
+  return tile_map<3>(fp8, w2, dims, strides, box, "w2");
 }
 
 void require(bool ok, const std::string& msg) {

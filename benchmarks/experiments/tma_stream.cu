@@ -1,11 +1,14 @@
 // Microbenchmark: how fast can 132 blocks stream a [rows x K] bf16 weight tensor through TMA into a ring of
 // S shared-memory stages (128B swizzle), as the megakernel's producer does? Consumers only wait and release.
 // The ceiling the GEMM engine's weight streaming is measured against (results/2026-11-22-h200x1-tma-stream.txt).
+// `tma_stream sweep`: the same streams from fewer blocks (8 .. all SMs): what one SM can pull when HBM is not
+// the limit -- the rate that bounds a small-T tile (results/2026-11-22-h200x1-tma-stream-per-sm.txt).
 //   nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 benchmarks/experiments/tma_stream.cu -o /tmp/tma_stream
 #include <cuda.h>
 #include <cuda_runtime.h>
 #include <cstdio>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
@@ -21,11 +24,16 @@ __device__ __forceinline__ void tma2d(void* dst, const CUtensorMap* map, uint64_
                ::"r"(smem_addr(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(bar)), "r"(c0), "r"(c1) : "memory");
 }
 
+__device__ __forceinline__ void tma3d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1, int c2) {
+  asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], [%2];"
+               ::"r"(smem_addr(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "r"(c2) : "memory");
+}
+
 __device__ __forceinline__ void tma5d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1, int c2, int c3, int c4) {
   asm volatile("cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6, %7}], [%2];"
                ::"r"(smem_addr(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4) : "memory");
 }
-struct Cfg { int stages, kbox, rbox, tile_rows; int five_d; };  // kbox: 64-k boxes per stage along K; rbox: 128-row boxes along rows
+struct Cfg { int stages, kbox, rbox, tile_rows; int five_d; int three_d; };  // three_d: rows viewed as [rows/8][8]  // kbox: 64-k boxes per stage along K; rbox: 128-row boxes along rows
 
 __global__ void __launch_bounds__(256, 1) stream(const __grid_constant__ CUtensorMap map, int rows, int K, Cfg c, int* sink) {
   extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -46,6 +54,7 @@ __global__ void __launch_bounds__(256, 1) stream(const __grid_constant__ CUtenso
         mbar_wait(&empty[s], ph ^ 1);
         mbar_expect(&full[s], stage_bytes);
         if (c.five_d) tma5d(smem + s * stage_bytes, &map, &full[s], ks * 64, 0, 0, (t % 12) * 8, t / 12); else
+        if (c.three_d) tma3d(smem + s * stage_bytes, &map, &full[s], ks * 64, 0, t * 16); else
         for (int r = 0; r < c.rbox; ++r)
           for (int b = 0; b < c.kbox; ++b)
             tma2d(smem + s * stage_bytes + (r * c.kbox + b) * box_bytes, &map, &full[s], (ks * c.kbox + b) * 64, t * tile_rows + r * 128);
@@ -73,7 +82,8 @@ __global__ void read_ld(const uint4* p, size_t n, int* sink) {
 
 typedef CUresult (*EncodeFn)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*, const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
 
-int main() {
+int main(int argc, char** argv) {
+  const bool sweep = argc > 1 && std::string(argv[1]) == "sweep";
   const int E = 32, R = 1536, K = 2048;  // Qwen3-30B w13 per EP4 rank: 201 MB
   const size_t rows = (size_t)E * R, bytes = rows * K * 2;
   void* w; cudaMalloc(&w, bytes); cudaMemset(w, 1, bytes);
@@ -108,23 +118,42 @@ int main() {
     {{3, 4, 1, 128}, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, "64K(4k) x3"},
     {{5, 1, 2, 256}, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, "32K(2r) x5"},
   };
-  printf("%-20s %8s %8s\n", "stage x count", "TB/s", "KiB/SM");
+  if (sweep) {
+    runs = {
+        {{10, 1, 1, 128, 1}, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, "5D w13 x10"},
+        {{4, 1, 1, 128}, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, "16K x4"},
+        {{10, 1, 1, 128}, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, "16K x10"},
+        {{10, 1, 1, 128, 0, 1}, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, "3D 8x16 16K x10"},
+        {{10, 1, 1, 128, 0, 1}, CU_TENSOR_MAP_L2_PROMOTION_NONE, "3D 16K x10 nopro"},
+        {{10, 1, 1, 128}, CU_TENSOR_MAP_L2_PROMOTION_NONE, "16K x10 nopromo"},
+        {{6, 2, 1, 128}, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, "32K(2k) x6"},
+        {{3, 4, 1, 128}, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, "64K(4k) x3"},
+    };
+  }
+  std::vector<int> grids = sweep ? std::vector<int>{8, 33, 96, sms} : std::vector<int>{sms};
+  printf("%-20s %6s %8s %8s %9s\n", "stage x count", "blocks", "TB/s", "KiB/SM", "GB/s/SM");
+  for (int blocks : grids)
   for (auto& r : runs) {
     CUtensorMap map;
     cuuint64_t dims[2] = {(cuuint64_t)K, (cuuint64_t)rows}; cuuint64_t strides[1] = {(cuuint64_t)K * 2};
     cuuint32_t box[2] = {64, 128}, unit[2] = {1, 1};
     cuuint64_t d5[5] = {(cuuint64_t)K, 8, 2, 768 / 8, (cuuint64_t)E}, s5[4] = {(cuuint64_t)K * 2, 768ull * K * 2, 8ull * K * 2, 1536ull * K * 2};
     cuuint32_t b5[5] = {64, 8, 2, 8, 1}, u5[5] = {1, 1, 1, 1, 1};
+    cuuint64_t d3[3] = {(cuuint64_t)K, 8, (cuuint64_t)rows / 8}, s3[2] = {(cuuint64_t)K * 2, 8ull * K * 2};
+    cuuint32_t b3[3] = {64, 8, 16};
+    if (r.c.three_d) { if (enc(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, w, d3, s3, b3, u5, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, r.l2, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS) { printf("encode3 failed\n"); return 1; } } else
     if (r.c.five_d) { if (enc(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 5, w, d5, s5, b5, u5, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, r.l2, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS) { printf("encode5 failed\n"); return 1; } } else
     if (enc(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, w, dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, r.l2, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS) { printf("encode failed\n"); return 1; }
     const int smem = r.c.stages * 16384 * r.c.kbox * r.c.rbox + 1024;
     cudaFuncSetAttribute(stream, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    stream<<<sms, 256, smem>>>(map, (int)rows, K, r.c, sink);
+    stream<<<blocks, 256, smem>>>(map, (int)rows, K, r.c, sink);
     cudaError_t e = cudaDeviceSynchronize(); if (e) { printf("%s: %s\n", r.name, cudaGetErrorString(e)); return 1; }
-    cudaEventRecord(a); for (int i = 0; i < 10; ++i) stream<<<sms, 256, smem>>>(map, (int)rows, K, r.c, sink); cudaEventRecord(b); cudaEventSynchronize(b);
+    const int reps = sweep ? 3 : 10;
+    cudaEventRecord(a); for (int i = 0; i < reps; ++i) stream<<<blocks, 256, smem>>>(map, (int)rows, K, r.c, sink); cudaEventRecord(b); cudaEventSynchronize(b);
     float ms; cudaEventElapsedTime(&ms, a, b);
-    const size_t tile_rows = 128 * r.c.rbox, moved = rows / tile_rows / sms * sms * tile_rows * K * 2;
-    printf("%-20s %8.2f %8d\n", r.name, moved * 10 / (ms * 1e-3) / 1e12, r.c.stages * 16 * r.c.kbox * r.c.rbox);
+    const size_t tile_rows = 128 * r.c.rbox, moved = rows / tile_rows / blocks * blocks * tile_rows * K * 2;
+    const double tbs = moved * reps / (ms * 1e-3) / 1e12;
+    printf("%-20s %6d %8.2f %8d %9.1f\n", r.name, blocks, tbs, r.c.stages * 16 * r.c.kbox * r.c.rbox, tbs * 1e3 / blocks);
   }
   return 0;
 }

@@ -52,7 +52,7 @@ struct Params {
 
   // TMA descriptors of this call's weights (built on the host per launch, see kernel.cu).
   CUtensorMap tmap_w13;  // w13 as [E_l][I/8][2][8][H]: one box = a stage's 128 gate/up rows x 128 bytes of K
-  CUtensorMap tmap_w2;  // w2 as [E_l H][I]: one box = 128 rows x 128 bytes of K
+  CUtensorMap tmap_w2;   // w2 as [E_l H / 8][8][I]: one box = 128 rows x 128 bytes of K
 
   Status* status;              // host-mapped
   int64_t* metrics_ring;       // [kRingSlots, kRingFields]

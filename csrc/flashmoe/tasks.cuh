@@ -140,16 +140,16 @@ static __device__ __noinline__ void produce_tasks(const Params& p, const GemmSme
     } else {
       const int64_t first = table.row_offset[task.expert] + task.first_row;
       ActReadiness readiness{gemm0_done<kFp8>(p, task.expert, 0), gemm0_arrivals<kFp8>(table, task.expert), k_steps};
-      const int w2_row = task.expert * p.hidden_size + task.feature_tile * kGemm1TileFeatures;
+      // w2 viewed as [E_l H / 8][8][I] (kernel.cu): the tile's 128 rows are 16 groups of 8 from this one.
+      const int w2_group = (task.expert * p.hidden_size + task.feature_tile * kGemm1TileFeatures) / 8;
       const float* weight_scale =
           kFp8 ? p.w2_scale + (static_cast<int64_t>(task.expert) * hidden_groups + task.feature_tile) * inter_groups
                : nullptr;
-      // w2 viewed as [E_l H][I]: one box = the tile's 128 output-feature rows.
       produce_tile<kFp8>(
           p, g, st, task.tile_tokens, task.rows, k_steps, [&](int r) { return act + (first + r) * inter_row_bytes; },
           [&](int r) { return act_scales + (first + r) * inter_groups; },
           [&](char* stage, uint64_t* full, int ks, uint32_t weight_scales) {
-            tma_load_2d(stage, &p.tmap_w2, full, ks * tile_k(kFp8), w2_row, stream_policy);
+            tma_load_3d(stage, &p.tmap_w2, full, ks * tile_k(kFp8), 0, w2_group, stream_policy);
             if constexpr (kFp8) {  // one block for the tile's rows: both slots
               cp_async_4(weight_scales, weight_scale + ks, true);
               cp_async_4(weight_scales + 4, weight_scale + ks, true);
@@ -160,7 +160,7 @@ static __device__ __noinline__ void produce_tasks(const Params& p, const GemmSme
             // Not ready (small T: GEMM0 still streaming): pull the tile's remaining weights into L2 meanwhile.
             readiness.wait(p, g, task.expert, ks, [&] {
               if (threadIdx.x == 0 && ks == 0)
-                for (int s = 1; s < k_steps; ++s) tma_prefetch_l2_2d(&p.tmap_w2, s * tile_k(kFp8), w2_row);
+                for (int s = 1; s < k_steps; ++s) tma_prefetch_l2_3d(&p.tmap_w2, s * tile_k(kFp8), 0, w2_group);
             });
             if (ks == 0) trace(kTraceProducerReady);
           });
