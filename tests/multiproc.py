@@ -57,6 +57,19 @@ def apply_rank_env(extra: dict[str, str] | None = None) -> None:
         os.environ.update(extra)
 
 
+def init_one_gpu_rank(store_prefix: str) -> tuple[torch.device, dist.ProcessGroup]:
+    """Call first thing in a world-1 GPU rank process: multicast off, GPU 0, an NCCL world over a file store (no
+    port to collide with whatever else the machine runs). Returns the device and a gloo group for the host side."""
+    import tempfile
+
+    apply_rank_env()
+    torch.cuda.set_device(0)
+    device = torch.device("cuda", 0)
+    store = dist.FileStore(tempfile.mktemp(prefix=store_prefix), 1)
+    dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=device)
+    return device, dist.new_group(backend="gloo")
+
+
 def run_ranks(fn, world: int, args: tuple = (), timeout: float = 60.0) -> None:
     """Run ``fn(rank, world, port, *args)`` on ``world`` processes; raise on failure or past ``timeout`` s."""
     port = free_port()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from multiproc import apply_rank_env, run_ranks
+from multiproc import apply_rank_env, init_one_gpu_rank, run_ranks
 
 pytestmark = [
     pytest.mark.gpu,
@@ -71,19 +71,11 @@ def test_metrics_reader_copies_while_another_thread_captures_cuda_graphs():
 
 
 def _megakernel_records(rank: int, world: int, port: int) -> None:
-    apply_rank_env()
+    device, cpu_group = init_one_gpu_rank("flashmoe-metrics-store-")
     import torch.distributed as dist
     from flashmoe import ExpertPlacement, FlashMoE, MoELayerSpec, megakernel, metrics
     from flashmoe.metrics import ring as mr
 
-    torch.cuda.set_device(0)
-    device = torch.device("cuda", 0)
-    import tempfile
-
-    # A file store: no port to collide with whatever else the machine runs.
-    store = dist.FileStore(tempfile.mktemp(prefix="flashmoe-metrics-store-"), 1)
-    dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=device)
-    cpu_group = dist.new_group(backend="gloo")
     spec = MoELayerSpec(**SPEC)
     moe = FlashMoE(
         spec,

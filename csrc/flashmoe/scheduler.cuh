@@ -15,10 +15,10 @@
 // Each expert gets the smallest token tile that holds its rows (32, 64, else 128-row tiles; fp8 64-row tiles),
 // so decode experts with a handful of rows cost one weight pass.
 //
-// Small T: a call with fewer GEMM0 tiles than blocks (T = 1 at EP4: 96 tiles of 512 KiB for 132 SMs) would
-// leave SMs without GEMM0 weights to stream while GEMM0, the critical path, runs at one SM's share of HBM per
-// tile. Each GEMM0 tile's K is then split over `gemm0_splits` tasks (adjacent in the queue); each keeps its fp32
-// partial sums, and the last of a tile to finish adds them in split order and runs the epilogue (gemm.cuh).
+// Small T: a call whose GEMM0 tiles leave blocks idle (a DP decode step at c = 1: 2-4 experts per rank, 24-48
+// tiles of 512 KiB for 132 SMs) streams GEMM0, the critical path, at a few SMs' rate. Each GEMM0 tile's K is then
+// split over `gemm0_splits` tasks (adjacent in the queue); each keeps its fp32 partial sums, and the last of a tile
+// to finish adds them in split order and runs the epilogue (gemm.cuh reduce_split).
 #pragma once
 
 #include "common.cuh"

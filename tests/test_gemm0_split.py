@@ -1,0 +1,89 @@
+"""Small-T GEMM0 split over K on a GPU (skips without one): few active experts leave blocks idle, so each GEMM0
+tile's K is split over up to FLASHMOE_GEMM0_SPLITS tasks whose fp32 sums the last one adds (scheduler.cuh
+gemm0_splits, gemm.cuh reduce_split).
+
+For shapes where the rule splits (2 and 4 active experts at T = 1; one expert with 40 rows: ping-pong tiles;
+one expert with 100 rows: split-width tiles, each consumer its own sums), the split layer and the unsplit layer
+(FLASHMOE_GEMM0_SPLITS=1) are each compared with the same-rounding reference and the fp64 oracle under the bf16
+budgets, and the split layer must repeat bitwise (its sum is added in a fixed order, whichever split finishes
+last). The split and unsplit results differ only in summation order, so they are not compared bitwise.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from multiproc import init_one_gpu_rank, run_ranks
+from tolerances import error_stats, kernel_budgets
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+E, H, INTER = 32, 2048, 768  # Qwen3-30B-A3B per EP4 rank: 32 K steps per GEMM0 tile, up to 4 splits
+# (top_k, tokens, routing): 2 and 4 active experts (24 and 48 GEMM0 tiles of 12 features for 132 blocks: 4 and 2
+# splits), one expert with 40 rows (64-token ping-pong tiles) and with 100 rows (128-token split-width tiles).
+CASES = [(2, 1, "uniform"), (4, 1, "uniform"), (8, 40, "one_expert"), (8, 100, "one_expert")]
+
+
+def _routing(k: int, t: int, kind: str, gen: torch.Generator, device) -> tuple[torch.Tensor, torch.Tensor]:
+    if kind == "one_expert":
+        ids = torch.full((t, k), -1, dtype=torch.int32, device=device)
+        ids[:, 0] = 3
+    else:
+        ids = torch.rand(t, E, device=device, generator=gen).topk(k, dim=1).indices.to(torch.int32)
+    return ids, torch.rand(t, k, device=device, generator=gen)
+
+
+def _split_against_unsplit(rank: int, world: int, port: int) -> None:
+    device, cpu_group = init_one_gpu_rank("flashmoe-split-store-")
+    import os
+
+    import torch.distributed as dist
+    from flashmoe import ExpertPlacement, FlashMoE, MoELayerSpec
+    from flashmoe.reference import moe_oracle_fp64, moe_reference
+
+    def build(k: int, splits: str) -> FlashMoE:
+        os.environ["FLASHMOE_GEMM0_SPLITS"] = splits  # read when the layer is built
+        spec = MoELayerSpec(E, k, H, INTER, 256)
+        moe = FlashMoE(spec, ExpertPlacement.contiguous(E, 1), dist.group.WORLD, cpu_group=cpu_group)
+        assert moe.backend == "megakernel", moe.reason
+        return moe
+
+    gen = torch.Generator(device=device).manual_seed(7)
+    w13 = torch.randn(E, 2 * INTER, H, device=device, generator=gen).div(H**0.5).to(torch.bfloat16)
+    w2 = torch.randn(E, H, INTER, device=device, generator=gen).div(INTER**0.5).to(torch.bfloat16)
+    budgets = kernel_budgets("bf16", INTER)
+    for k, t, kind in CASES:
+        split, unsplit = build(k, "4"), build(k, "1")
+        x = torch.randn(t, H, device=device, generator=gen).to(torch.bfloat16)
+        ids, w = _routing(k, t, kind, gen, device)
+        ref = moe_reference(x, ids, w, w13, w2)
+        oracle = moe_oracle_fp64(x, ids, w, w13, w2)
+        outs = {}
+        for name, moe in (("split", split), ("unsplit", unsplit), ("split again", split)):
+            out = torch.full_like(x, float("nan"))  # poisoned: an unwritten row fails
+            moe(x, ids, w, w13, w2, out=out)
+            torch.cuda.synchronize()
+            outs[name] = out
+            for against, target in (("ref", ref), ("oracle", oracle)):
+                stats = error_stats(out, target)
+                assert stats.within(*budgets[against]), (
+                    f"{name} k={k} T={t} {kind} vs {against}: rel {stats.rel_fro:.3e} row {stats.max_row_rel:.3e} "
+                    f"non-finite {stats.nonfinite}"
+                )
+        assert torch.equal(outs["split"].view(torch.int16), outs["split again"].view(torch.int16)), (
+            f"k={k} T={t} {kind}: the split layer did not repeat bitwise"
+        )
+    dist.destroy_process_group()
+
+
+def test_split_gemm0_matches_the_reference_and_repeats_bitwise():
+    from flashmoe import MoELayerSpec
+    from flashmoe.backend import megakernel_unsupported_reason
+
+    why = megakernel_unsupported_reason(MoELayerSpec(E, 8, H, INTER, 256), torch.device("cuda", 0), 1)
+    if why is not None:
+        pytest.skip(f"megakernel unavailable here: {why}")
+    run_ranks(_split_against_unsplit, 1, timeout=600)  # includes a cold JIT build
