@@ -65,7 +65,7 @@ CHECKS = [  # shape, tokens, routing
     ("small", 0, "uniform"),
     ("odd", 300, "one_expert"),
     ("odd", 77, "zipf"),
-    ("qwen3-30b/ep4", 1, "uniform"),  # 96 GEMM0 tiles: split over K in 2 (scheduler.cuh)
+    ("qwen3-30b/ep4", 1, "uniform"),  # 96 GEMM0 tiles for 132 blocks: not split (one wave, scheduler.cuh)
     ("qwen3-30b/ep4", 40, "one_expert"),  # 12 tiles of 64 tokens: 4 splits, ping-pong
     ("qwen3-30b/ep4", 100, "one_expert"),  # 12 tiles of 128 tokens: 4 splits, both consumers
     ("qwen3-30b/ep4", 8, "uniform"),
@@ -295,10 +295,19 @@ def time_case(shape, T, gen, device, l2, replays, fp8=False, unsplit=False) -> d
         )
     pairs = int(sum(int(lay["offs"][-1]) for lay in layers)) / L
 
-    def run_flashmoe():
-        for lay in layers:
-            extra = dict(w13_scale_inv=lay["w13_scale_inv"], w2_scale_inv=lay["w2_scale_inv"]) if fp8 else {}
-            moe(lay["x"], lay["ids"], lay["w"], lay["w13"], lay["w2"], out=lay["out"], **extra)
+    def runner(m: FlashMoE):
+        """A graph body: every layer of the step through ``m`` (the default layer, or the unsplit one)."""
+
+        def run():
+            for lay in layers:
+                extra = (
+                    dict(w13_scale_inv=lay["w13_scale_inv"], w2_scale_inv=lay["w2_scale_inv"]) if fp8 else {}
+                )
+                m(lay["x"], lay["ids"], lay["w"], lay["w13"], lay["w2"], out=lay["out"], **extra)
+
+        return run
+
+    run_flashmoe = runner(moe)
 
     if fp8:  # bf16 weights of the same shape for the bf16 layer and grouped_mm (one set: fp8's L x 2 bytes)
         bf16_w = [weights(E, H, I, gen, device) for _ in range(L)]
@@ -314,16 +323,11 @@ def time_case(shape, T, gen, device, l2, replays, fp8=False, unsplit=False) -> d
             a = F.silu(h[:, :I]) * h[:, I:]
             torch._grouped_mm(a, w2.transpose(1, 2), offs=lay["offs"])
 
-    def run_unsplit():
-        for lay in layers:
-            extra = dict(w13_scale_inv=lay["w13_scale_inv"], w2_scale_inv=lay["w2_scale_inv"]) if fp8 else {}
-            unsplit_moe(lay["x"], lay["ids"], lay["w"], lay["w13"], lay["w2"], out=lay["out"], **extra)
-
     fm = CallTimes([t / L for t in graph_times(run_flashmoe, device, replays).seconds])
     phases = phase_breakdown(moe.layer_id)
     # A/B of the small-T GEMM0 split: unsplit, then the default again (drift shows as a changed second p50).
     if unsplit:
-        un = CallTimes([t / L for t in graph_times(run_unsplit, device, replays).seconds])
+        un = CallTimes([t / L for t in graph_times(runner(unsplit_moe), device, replays).seconds])
         fm_again = CallTimes([t / L for t in graph_times(run_flashmoe, device, replays).seconds])
     gm = CallTimes([t / L for t in graph_times(run_grouped, device, replays).seconds])
     bf = CallTimes([t / L for t in graph_times(run_bf16, device, replays).seconds]) if fp8 else None

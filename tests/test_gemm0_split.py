@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from moe_inputs import random_routing
 from multiproc import init_one_gpu_rank, run_ranks
 from tolerances import error_stats, kernel_budgets
 
@@ -22,18 +23,10 @@ pytestmark = [
 ]
 
 E, H, INTER = 32, 2048, 768  # Qwen3-30B-A3B per EP4 rank: 32 K steps per GEMM0 tile, up to 4 splits
-# (top_k, tokens, routing): 2 and 4 active experts (24 and 48 GEMM0 tiles of 12 features for 132 blocks: 4 and 2
-# splits), one expert with 40 rows (64-token ping-pong tiles) and with 100 rows (128-token split-width tiles).
-CASES = [(2, 1, "uniform"), (4, 1, "uniform"), (8, 40, "one_expert"), (8, 100, "one_expert")]
-
-
-def _routing(k: int, t: int, kind: str, gen: torch.Generator, device) -> tuple[torch.Tensor, torch.Tensor]:
-    if kind == "one_expert":
-        ids = torch.full((t, k), -1, dtype=torch.int32, device=device)
-        ids[:, 0] = 3
-    else:
-        ids = torch.rand(t, E, device=device, generator=gen).topk(k, dim=1).indices.to(torch.int32)
-    return ids, torch.rand(t, k, device=device, generator=gen)
+# (top_k, tokens, routing of tests/moe_inputs.py): 2 and 4 active experts (24 and 48 GEMM0 tiles, 12 per expert,
+# for 132 blocks: 4 and 2 splits); top-1 onto one expert with 40 rows (64-token ping-pong tiles) and with 100 rows
+# (128-token split-width tiles).
+CASES = [(2, 1, "uniform"), (4, 1, "uniform"), (1, 40, "one_expert"), (1, 100, "one_expert")]
 
 
 def _split_against_unsplit(rank: int, world: int, port: int) -> None:
@@ -58,7 +51,7 @@ def _split_against_unsplit(rank: int, world: int, port: int) -> None:
     for k, t, kind in CASES:
         split, unsplit = build(k, "4"), build(k, "1")
         x = torch.randn(t, H, device=device, generator=gen).to(torch.bfloat16)
-        ids, w = _routing(k, t, kind, gen, device)
+        ids, w = random_routing(t, E, k, kind, gen, device)
         ref = moe_reference(x, ids, w, w13, w2)
         oracle = moe_oracle_fp64(x, ids, w, w13, w2)
         outs = {}

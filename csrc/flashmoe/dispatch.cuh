@@ -102,9 +102,10 @@ __device__ __forceinline__ void send_row_fp8(const Params& p, const PeerTable& p
   }
 }
 
-// Returns the token-rank rows this warp sent (metrics). A padding call (params.cuh) sends nothing.
+// Sends the first `num_tokens` tokens (0 in a padding call, params.cuh); returns the token-rank rows this warp
+// sent (metrics).
 template <bool kFp8>
-__device__ int dispatch_tokens(const Params& p, const PeerTable& peers, bool padding) {
+__device__ int dispatch_tokens(const Params& p, const PeerTable& peers, int num_tokens) {
   int rows_sent = 0;
   const int lane = threadIdx.x & 31;
   const int warps_total = gridDim.x * kWarps;
@@ -114,7 +115,6 @@ __device__ int dispatch_tokens(const Params& p, const PeerTable& peers, bool pad
   const int64_t mstride = meta_stride(k);
   uint32_t* send_count = ws_ptr<uint32_t>(p, p.ws_off.rank_send_count);
 
-  const int num_tokens = padding ? 0 : p.num_tokens;
   for (int t = warp_global; t < num_tokens; t += warps_total) {
     int e = lane < k ? __ldg(p.topk_ids + static_cast<int64_t>(t) * k + lane) : -1;
     if (e >= p.num_experts) e = -1;  // out-of-range ids are skipped, never read out of bounds

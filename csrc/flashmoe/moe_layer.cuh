@@ -67,7 +67,7 @@ __device__ void moe_layer(const Params& p) {
 
   // 1. Dispatch.
   clock.start();
-  const int warp_rows_sent = dispatch_tokens<kFp8>(p, sh.peers, padding);
+  const int warp_rows_sent = dispatch_tokens<kFp8>(p, sh.peers, tokens_in);
   const int rows_sent = (threadIdx.x & 31) == 0 ? warp_rows_sent : 0;  // every lane counted the warp's rows
   __threadfence_system();  // our NVLink stores are visible before any signal that follows the barrier
   clock.stop();
