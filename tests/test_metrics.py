@@ -22,6 +22,7 @@ import pytest
 import torch
 from flashmoe import ExpertPlacement, FlashMoE, MoELayerSpec, metrics
 from flashmoe.metrics import ring as mr
+from flashmoe.metrics.poller import PollerThread
 from prom_samples import metric_samples
 from prometheus_client import REGISTRY, CollectorRegistry, Histogram
 
@@ -262,6 +263,27 @@ def test_device_ring_feeds_prometheus_exactly_once_and_totals_stay_exact_across_
     assert _sample("flashmoe_tokens_dispatched_total", **la) == 203 * 16
     assert _sample("flashmoe_layer_latency_seconds_count", **la) == 3 + 64
     assert _sample("flashmoe_calls_total", **lb) == 3
+
+
+def test_poller_applies_a_new_interval_from_now_and_polls_once_more_at_stop():
+    # The ring test above sets a 1 h interval on a thread an earlier attach may have started at 1 s;
+    # the old wait must not fire a poll in the middle of it (CI once saw 128 of 200 records that way).
+    polls = []
+    stopped = threading.Event()
+    thread = PollerThread(lambda: polls.append(time.monotonic()), stopped.set, interval_s=0.05)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while len(polls) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(polls) >= 2, "the thread does not poll at its interval"
+    thread.set_interval(3600)
+    settled = len(polls)  # at most one poll may already be under way when the interval changes
+    time.sleep(0.5)
+    assert len(polls) <= settled + 1
+    before_stop = len(polls)
+    thread.stop()
+    assert not thread.is_alive() and stopped.is_set()
+    assert len(polls) == before_stop + 1  # the final poll
 
 
 def test_metrics_off_and_import_is_lazy():

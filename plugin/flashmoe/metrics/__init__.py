@@ -321,7 +321,7 @@ def _ensure_poller(interval_s: float = POLL_INTERVAL_S) -> PollerThread:
             _poller.start()
             atexit.register(_poller.stop)
         else:
-            _poller.interval_s = interval_s
+            _poller.set_interval(interval_s)
         return _poller
 
 

@@ -65,14 +65,32 @@ class PollerThread(threading.Thread):
         self, poll: Callable[[], None], on_stop: Callable[[], None], interval_s: float = POLL_INTERVAL_S
     ):
         super().__init__(name="flashmoe-metrics", daemon=True)
-        self.interval_s = interval_s
+        self._interval_s = interval_s
         self._poll = poll
         self._on_stop = on_stop
         self._stop_event = threading.Event()
+        # Set by set_interval: the thread drops the wait it is in, so a new interval counts from now
+        # rather than after the old one runs out (a 1 s wait must not fire inside a 1 h interval).
+        self._interval_changed = threading.Event()
         self._warned = False
 
+    @property
+    def interval_s(self) -> float:
+        return self._interval_s
+
+    def set_interval(self, interval_s: float) -> None:
+        if interval_s != self._interval_s:
+            self._interval_s = interval_s
+            self._interval_changed.set()
+
     def run(self) -> None:
-        while not self._stop_event.wait(self.interval_s):
+        while True:
+            woken = self._interval_changed.wait(self._interval_s)
+            if self._stop_event.is_set():
+                return
+            if woken:
+                self._interval_changed.clear()
+                continue
             try:
                 self._poll()
             except Exception:  # never take the server down; say it once
@@ -82,6 +100,7 @@ class PollerThread(threading.Thread):
 
     def stop(self) -> None:
         self._stop_event.set()
+        self._interval_changed.set()
         if self.is_alive() and threading.current_thread() is not self:
             self.join(timeout=2 * COPY_TIMEOUT_S)
         try:
