@@ -3,6 +3,8 @@
     python scripts/kernel_trace.py --shape qwen3-30b/ep4 --tokens 1,8,128,4096 --out /tmp/trace.json
     torchrun --nproc-per-node 4 scripts/kernel_trace.py --tokens 8 --out /tmp/trace.json   # EP4: one JSON per rank
 
+`--dtype fp8` traces the block-fp8 kernel (e4m3 weights with 128 x 128 block scales) the same way.
+
 Builds and loads the `trace` variant (FLASHMOE_TRACE=1, csrc/flashmoe/trace.cuh): thread 0 of every block
 records its phase boundaries and, as the GEMM producer, each task it takes, when the task's rows were located
 (GEMM1: its expert's GEMM0 tiles counted), when its first and last stage were issued and how long it waited
@@ -34,7 +36,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 from flashmoe.reference import moe_reference  # noqa: E402
-from kernel_check import SHAPES, l2_bytes, layer, routing, weights  # noqa: E402
+from flashmoe.reference_fp8 import moe_reference_fp8  # noqa: E402
+from kernel_check import SHAPES, draw_layer, l2_bytes, layer, routing  # noqa: E402
+from moe_inputs import random_grouped_hidden  # noqa: E402
+from tolerances import error_stats, within_kernel_budgets  # noqa: E402
 
 # Event kinds (csrc/flashmoe/trace.cuh).
 PHASES = {
@@ -101,7 +106,15 @@ def median(xs):
     return statistics.median(xs) if xs else float("nan")
 
 
-def analyse(trace: list[list[list[tuple]]], H: int, I: int) -> dict:
+def tile_weight_bytes(gemm: int, H: int, I: int, fp8: bool, splits: int = 1) -> int:
+    """Weight bytes one task streams: 128 rows of K (GEMM0: H, GEMM1: I), over its share of a split tile. An fp8
+    GEMM0 task is two passes of 128 one-byte rows (its 128 features' gate and up rows), the bytes of a bf16 one."""
+    if gemm == 0:
+        return TILE_WEIGHT_ROWS * H * 2 // splits
+    return TILE_WEIGHT_ROWS * I * (1 if fp8 else 2)
+
+
+def analyse(trace: list[list[list[tuple]]], H: int, I: int, fp8: bool = False) -> dict:
     t0 = min(role[0][0] for blk in trace for role in blk if role)
     phases: dict[str, list[float]] = {name: [] for name in PHASES.values()}
     tiles = []
@@ -171,11 +184,15 @@ def analyse(trace: list[list[list[tuple]]], H: int, I: int) -> dict:
             continue
         splits = t.get("splits") or 1
         key = f"gemm{t['gemm']}/N{t['n']}" + (f"/k{splits}" if splits > 1 else "")
-        k = (H if t["gemm"] == 0 else I) // splits
         # "tiles": consumer views (a split-width tile counts twice, a ping-pong tile once); /kS: one of S
         # tasks over a GEMM0 tile's K.
         g = groups.setdefault(
-            key, {"tiles": 0, "weight_bytes_per_tile": TILE_WEIGHT_ROWS * k * 2, "parts": {}}
+            key,
+            {
+                "tiles": 0,
+                "weight_bytes_per_tile": tile_weight_bytes(t["gemm"], H, I, fp8, splits),
+                "parts": {},
+            },
         )
         g["tiles"] += 1
         for name, value in (
@@ -222,7 +239,7 @@ def analyse(trace: list[list[list[tuple]]], H: int, I: int) -> dict:
     gemm_start = phases["gemm_start"]
     gemm_end = phases["gemm"]
     # Every task streams its weight tile once, whichever consumers computed it: count the producer's tasks.
-    weight_bytes = sum(TILE_WEIGHT_ROWS * (H if p["gemm"] == 0 else I) * 2 // p["splits"] for p in producer)
+    weight_bytes = sum(tile_weight_bytes(p["gemm"], H, I, fp8, p["splits"]) for p in producer)
     tasks_per_block = [sum(1 for p in producer if p["block"] == blk) for blk in range(len(trace))]
     span = (max(gemm_end) - min(gemm_start)) if gemm_end and gemm_start else float("nan")
     return {
@@ -252,7 +269,9 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="kernel_trace.json")
     ap.add_argument("--raw", action="store_true", help="keep every event in the JSON")
+    ap.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16", help="weight format (fp8: block-fp8)")
     args = ap.parse_args()
+    fp8 = args.dtype == "fp8"
     world = int(os.environ.get("WORLD_SIZE", "1"))
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     torch.cuda.set_device(device)
@@ -266,35 +285,52 @@ def main():
         rank = dist.get_rank()
         cpu_group = dist.new_group(backend="gloo")
         moe = FlashMoE(
-            MoELayerSpec(E * world, k, H, I, 8192),
+            MoELayerSpec(E * world, k, H, I, 8192, weight_dtype=torch.float8_e4m3fn if fp8 else None),
             ExpertPlacement.contiguous(E * world, world),
             None,
             cpu_group=cpu_group,
         )
     else:
-        moe = layer(args.shape)
+        moe = layer(args.shape, fp8)
     gen = torch.Generator().manual_seed(args.seed + rank)
-    set_bytes = E * 3 * H * I * 2
+    set_bytes = E * 3 * H * I * (1 if fp8 else 2)
     sets = max(2, min(8, -(-4 * l2_bytes(device) // set_bytes)))
-    weight_sets = [weights(E, H, I, gen, device) for _ in range(sets)]
-    results = {"shape": args.shape, "E": E, "k": k, "H": H, "I": I, "weight_sets": sets, "cases": {}}
+    # (w13, w2, scale keywords) per set; tokens are drawn per token count below.
+    weight_sets = [draw_layer(E, H, I, 1, gen, device, fp8)[1:] for _ in range(sets)]
+    results = {
+        "shape": args.shape,
+        "dtype": args.dtype,
+        "E": E,
+        "k": k,
+        "H": H,
+        "I": I,
+        "weight_sets": sets,
+        "cases": {},
+    }
     for T in (int(t) for t in args.tokens.split(",")):
-        x = torch.randn(T, H, generator=gen).to(torch.bfloat16).to(device)
+        x = random_grouped_hidden(T, H, gen) if fp8 else torch.randn(T, H, generator=gen).to(torch.bfloat16)
+        x = x.to(device)
         ids, w = routing(E * world, k, T, "uniform", gen, device)
         out = torch.full_like(x, float("nan"))
         for i in range(args.launches):
-            w13, w2 = weight_sets[i % sets]
-            moe(x, ids, w, w13, w2, out=out)
+            w13, w2, scales = weight_sets[i % sets]
+            moe(x, ids, w, w13, w2, out=out, **scales)
         torch.cuda.synchronize()
         counts, events = _ops().trace_dump()
+        ok = True
         if world == 1:
-            ref = moe_reference(x, ids, w, w13, w2).float()
-            err = ((out.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+            if fp8:
+                ref = moe_reference_fp8(x, ids, w, w13, scales["w13_scale_inv"], w2, scales["w2_scale_inv"])
+            else:
+                ref = moe_reference(x, ids, w, w13, w2)
+            stats = error_stats(out, ref)
+            err = stats.rel_fro
+            ok = within_kernel_budgets({"ref": stats}, args.dtype, I)
         else:
             err = 0.0 if bool(torch.isfinite(out).all()) else float("nan")
         blocks = int((counts.sum(1) > 0).sum())
         trace = decode(counts, events, blocks)
-        summary = analyse(trace, H, I)
+        summary = analyse(trace, H, I, fp8)
         summary["rel_err_vs_reference"] = err
         if args.raw:
             summary["events"] = trace
@@ -326,7 +362,7 @@ def main():
         for key, (n, v) in summary["transitions"].items():
             if n >= 10 and not key.startswith("consumer1"):
                 print(f"    {key}: {n}x {v}")
-        if err > 2e-3 or err != err:
+        if not ok or err != err:
             print(f"WRONG: rel err {err:.2e} against the same-rounding reference", flush=True)
     out_path = Path(args.out) if world == 1 else Path(f"{args.out}.rank{rank}.json")
     results["world_size"], results["rank"] = world, rank
