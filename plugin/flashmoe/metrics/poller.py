@@ -74,10 +74,6 @@ class PollerThread(threading.Thread):
         self._interval_changed = threading.Event()
         self._warned = False
 
-    @property
-    def interval_s(self) -> float:
-        return self._interval_s
-
     def set_interval(self, interval_s: float) -> None:
         if interval_s != self._interval_s:
             self._interval_s = interval_s
