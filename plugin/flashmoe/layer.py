@@ -95,6 +95,11 @@ class FlashMoE:
             buf = self._kernel.buffers
             metrics.attach_device_source(buf.metrics_ring, buf.metrics_totals)
 
+    def __call__(self, *args, **kwargs) -> torch.Tensor:
+        """``layer(...)`` is ``layer.forward(...)`` (same parameters), looked up at call time as torch modules do,
+        so a wrapped or patched ``forward`` is what a call runs."""
+        return self.forward(*args, **kwargs)
+
     def forward(
         self,
         hidden_states,
@@ -181,8 +186,6 @@ class FlashMoE:
             out.copy_(result)
             return out
         return result
-
-    __call__ = forward  # one parameter list for both spellings of a call
 
     def _check_scales_given(self, w13_scale_inv, w2_scale_inv) -> None:
         given = [
