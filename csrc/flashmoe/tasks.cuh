@@ -280,15 +280,20 @@ __device__ __forceinline__ int64_t store_outputs(const Params& p, const PeerTabl
   return remote_bytes;
 }
 
-// This consumer's part of a split GEMM0 tile (gemm.cuh reduce_split), or the whole tile. A split-width tile's
-// consumers each sum their own 64 rows; a ping-pong tile's owner all 128.
+// This consumer's part of a split GEMM0 tile (gemm.cuh), or the whole tile. A ping-pong tile's owner sums all
+// 128 rows; a split-width tile's consumers each their own 64, and decide alone (bf16: separate epilogues) or
+// together (fp8: one epilogue quantises both halves' features, so both must run it or neither).
+template <bool kFp8>
 __device__ __forceinline__ SplitK split_k(const Params& p, const GemmSmem& g, const Task& task, int consumer) {
   if (task.splits == 1) return SplitK{};
-  const int rows = ping_pong(task.tile_tokens, false) ? 0 : consumer;
+  const bool ping = ping_pong(task.tile_tokens, kFp8);
+  const int rows = ping ? 0 : consumer;
+  const bool joint = kFp8 && !ping;
   const int64_t group = static_cast<int64_t>(task.tile) * kSplitRowGroups + rows;
+  const int64_t counter = static_cast<int64_t>(task.tile) * kSplitRowGroups + (joint ? 0 : rows);
   return SplitK{ws_ptr<float>(p, p.ws_off.gemm0_partials) + group * task.splits * kSplitSlotFloats,
-                ws_ptr<uint32_t>(p, p.ws_off.gemm0_split_arrivals) + group, g.split_last(consumer), task.split,
-                task.splits};
+                ws_ptr<uint32_t>(p, p.ws_off.gemm0_split_arrivals) + counter, g.split_last(joint ? 0 : consumer),
+                task.split, task.splits, joint};
 }
 
 __device__ __forceinline__ void trace_mma_done(const PipeState& st) {
@@ -324,11 +329,12 @@ __device__ int64_t consume_tasks(const Params& p, const PeerTable& peers, bool a
     trace(kTraceConsumerTask, index);
     if (task.gemm == 0) {
       if constexpr (kFp8) {
-        const float* staging = mma_fp8_gemm0_to_staging(p, g, st, task.tile_tokens, k_steps);
+        const float* staging =
+            mma_fp8_gemm0_to_staging(p, g, st, task.tile_tokens, k_steps, split_k<true>(p, g, task, consumer));
         trace_mma_done(st);
-        store_activations_fp8(p, g, table, task, staging, consumer);
+        if (staging != nullptr) store_activations_fp8(p, g, table, task, staging, consumer);
       } else {
-        const Staged staged = mma_tile_to_staging<true>(p, g, st, task.tile_tokens, k_steps, split_k(p, g, task, consumer));
+        const Staged staged = mma_tile_to_staging<true>(p, g, st, task.tile_tokens, k_steps, split_k<false>(p, g, task, consumer));
         trace_mma_done(st);
         if (staged.rows != nullptr) {  // the whole tile, or the last of its splits
           consumer_sync(consumer);
