@@ -230,19 +230,28 @@ __device__ __forceinline__ void store_activations_fp8(const Params& p, const Gem
 }
 
 // GEMM1 epilogue of one consumer: its output features of the tile's rows into the owners' combine buffers.
-// Returns the bytes sent to other ranks (metrics).
+// Returns the bytes sent to other ranks (metrics). Proxied rows go out as non-blocking puts from slot
+// `put_tiles % kPutRingTiles` of the block's staging ring; the one quiet that lets the ring be rewritten comes
+// when it wraps, and the GEMM phase's last block quiets once more before the combine signals (moe_layer.cuh).
 __device__ __forceinline__ int64_t store_outputs(const Params& p, const PeerTable& peers, bool any_proxied,
                                                  const GemmSmem& g, const Task& task, const Staged& staged,
-                                                 int consumer) {
+                                                 int consumer, int& put_tiles) {
   const int tid = threadIdx.x & 127;
   const int k = p.top_k, H = p.hidden_size;
   const int* meta = sym_ptr<int>(p, p.sym_off.recv_meta);
   int64_t* row_dst = g.row_dst(consumer);
   int* row_rank = g.row_rank(consumer);
   const int features = staged.features;
-  // Put path: this consumer's slot of the block's registered staging tile (rows x features <= its size).
+  // Put path: this consumer's part of the ring slot (rows x features <= its size).
+  const int ring_slot = put_tiles % kPutRingTiles;
   bf16* put_stage = sym_ptr<bf16>(p, p.sym_off.combine_stage) +
-                    (static_cast<int64_t>(blockIdx.x) * kConsumers + consumer) * kMaxTileTokens * kConsumerRows;
+                    ((static_cast<int64_t>(blockIdx.x) * kPutRingTiles + ring_slot) * kConsumers + consumer) *
+                        kMaxTileTokens * kConsumerRows;
+  if (any_proxied && ring_slot == 0 && put_tiles > 0) {
+    // Wrapped: the puts from every slot are complete (quiet covers all of this PE's) before one is rewritten.
+    if (tid == 0) nvshmem_quiet();
+    consumer_sync(consumer);
+  }
   int64_t remote_bytes = 0;
   if (tid < task.rows) {  // where each row goes: (source rank, element offset in its combine buffer)
     const int entry = ldcg(expert_list(p, task.expert) + task.first_row + tid);
@@ -268,13 +277,12 @@ __device__ __forceinline__ int64_t store_outputs(const Params& p, const PeerTabl
     if (q == 0 && dst != p.rank) remote_bytes += features * 2;
   }
   if (any_proxied) {
-    // Proxied rows: one put per row segment from the registered staging tile, complete before reuse.
+    // Proxied rows: one put per row segment from the staging slot.
     consumer_sync(consumer);
     if (tid < task.rows && !use_p2p(peers, row_rank[tid]))
       nvshmem_putmem_nbi(sym_ptr<bf16>(p, p.sym_off.combine_rows) + row_dst[tid], put_stage + tid * features,
                          features * 2, row_rank[tid]);
-    consumer_sync(consumer);
-    if (tid == 0) nvshmem_quiet();
+    ++put_tiles;
   }
   consumer_sync(consumer);  // staging and the row table are rewritten by the consumer's next tile
   return remote_bytes;
@@ -317,6 +325,7 @@ __device__ int64_t consume_tasks(const Params& p, const PeerTable& peers, bool a
   TaskQueue queue;
   int64_t remote_bytes = 0;
   int ping_pong_tiles = 0;  // ping-pong tiles this block has taken so far
+  int put_tiles = 0;        // GEMM1 tiles this consumer has staged for puts (store_outputs' ring position)
   int index;
   while ((index = next_task(p, g, queue, counts.total)) >= 0) {
     const Task task = decode_task<kFp8>(table, p.num_local, counts, index);
@@ -344,7 +353,7 @@ __device__ int64_t consume_tasks(const Params& p, const PeerTable& peers, bool a
     } else {
       const Staged staged = mma_tile_to_staging<false, kFp8>(p, g, st, task.tile_tokens, k_steps);
       trace_mma_done(st);
-      remote_bytes += store_outputs(p, peers, any_proxied, g, task, staged, consumer);
+      remote_bytes += store_outputs(p, peers, any_proxied, g, task, staged, consumer, put_tiles);
     }
     trace(kTraceConsumerEpilogueDone);
   }
