@@ -33,7 +33,9 @@ def variant_tree(name, root):
     ``csrc=DIR`` (DIR relative to the checkout) for another tree's csrc/, e.g. an older commit's."""
     if root.exists():
         shutil.rmtree(root)
-    shutil.copytree(SRC, root, ignore=shutil.ignore_patterns(".carry", ".git", "benchmarks/results"))
+    # Sources only: not the checkout's virtual environments (.venv-sglang is 6 GB), caches or results.
+    skip = shutil.ignore_patterns(".*", "__pycache__", "*.egg-info", "results")
+    shutil.copytree(SRC, root, ignore=skip)
     if name.startswith("csrc="):
         shutil.rmtree(root / "csrc")
         shutil.copytree(SRC / name.split("=", 1)[1], root / "csrc")
@@ -136,6 +138,27 @@ VARIANTS = {
             "csrc/flashmoe/dispatch.cuh",
             "constexpr int kRowLoadsAhead = 8;",
             "constexpr int kRowLoadsAhead = 1;",
+        ),
+    ],
+    # fp8, numerically wrong (zero scales): the producer's per-stage 4-byte scale loads (cp.async) left out, the
+    # weight blocks' (two per GEMM0 stage, two per GEMM1 stage) or the token rows': what waiting for them costs.
+    "fp8_no_weight_scales": [
+        (
+            "csrc/flashmoe/tasks.cuh",
+            "cp_async_4(weight_scales, gate_scale + k, true);\n                cp_async_4(weight_scales + 4, up_scale + k, true);",
+            "cp_async_4(weight_scales, gate_scale + k, false);\n                cp_async_4(weight_scales + 4, up_scale + k, false);",
+        ),
+        (
+            "csrc/flashmoe/tasks.cuh",
+            "cp_async_4(weight_scales, weight_scale + ks, true);\n              cp_async_4(weight_scales + 4, weight_scale + ks, true);",
+            "cp_async_4(weight_scales, weight_scale + ks, false);\n              cp_async_4(weight_scales + 4, weight_scale + ks, false);",
+        ),
+    ],
+    "fp8_no_row_scales": [
+        (
+            "csrc/flashmoe/gemm.cuh",
+            "scale_row != nullptr ? scale_row + ks : p.topk_weights, scale_row != nullptr);",
+            "scale_row != nullptr ? scale_row + ks : p.topk_weights, false);",
         ),
     ],
     # Numerically unsafe (GEMM1 may read activations before they are visible): the cost of the GEMM0 release.
