@@ -2,11 +2,17 @@
 scripts/kernel_check.py --time-only (a variant's numerics may be wrong: it answers "where does the time go").
 
     python benchmarks/experiments/gemm_variants.py "qwen3-30b/ep4:8,128" OUT_DIR base,gemm0_only,no_wgmma
+    python benchmarks/experiments/gemm_variants.py "adhoc:1" OUT_DIR base,csrc=DIR --adhoc 32,2,2048,768,1,uniform
+
+Arguments after the variant list go to kernel_check.py as they are. Each run leaves OUT_DIR/var_<name>.json
+(a second run of the same variant: var_<name>.run2.json; a csrc=DIR run is named after DIR's last component);
+benchmarks/experiments/variants_report.py tabulates them.
 
 Run from the repository root; each variant is built from /tmp/var/<name> (its own JIT cache key).
 """
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -27,7 +33,9 @@ def variant_tree(name, root):
     ``csrc=DIR`` (DIR relative to the checkout) for another tree's csrc/, e.g. an older commit's."""
     if root.exists():
         shutil.rmtree(root)
-    shutil.copytree(SRC, root, ignore=shutil.ignore_patterns(".carry", ".git", "benchmarks/results"))
+    # Sources only: not the checkout's virtual environments (.venv-sglang is 6 GB), caches or results.
+    skip = shutil.ignore_patterns(".*", "__pycache__", "*.egg-info", "results")
+    shutil.copytree(SRC, root, ignore=skip)
     if name.startswith("csrc="):
         shutil.rmtree(root / "csrc")
         shutil.copytree(SRC / name.split("=", 1)[1], root / "csrc")
@@ -123,6 +131,36 @@ VARIANTS = {
             " st.stage);\n" + _UNGUARD[1],
         ),
     ],
+    # Dispatch with one 16-byte load of the row in flight per lane (as before 2026-11-23): what loading a row's
+    # pieces ahead of quantising/storing them buys.
+    "dispatch_one_load": [
+        (
+            "csrc/flashmoe/dispatch.cuh",
+            "constexpr int kRowLoadsAhead = 8;",
+            "constexpr int kRowLoadsAhead = 1;",
+        ),
+    ],
+    # fp8, numerically wrong (zero scales): the producer's per-stage 4-byte scale loads (cp.async) left out, the
+    # weight blocks' (two per GEMM0 stage, two per GEMM1 stage) or the token rows': what waiting for them costs.
+    "fp8_no_weight_scales": [
+        (
+            "csrc/flashmoe/tasks.cuh",
+            "cp_async_4(weight_scales, gate_scale + k, true);\n                cp_async_4(weight_scales + 4, up_scale + k, true);",
+            "cp_async_4(weight_scales, gate_scale + k, false);\n                cp_async_4(weight_scales + 4, up_scale + k, false);",
+        ),
+        (
+            "csrc/flashmoe/tasks.cuh",
+            "cp_async_4(weight_scales, weight_scale + ks, true);\n              cp_async_4(weight_scales + 4, weight_scale + ks, true);",
+            "cp_async_4(weight_scales, weight_scale + ks, false);\n              cp_async_4(weight_scales + 4, weight_scale + ks, false);",
+        ),
+    ],
+    "fp8_no_row_scales": [
+        (
+            "csrc/flashmoe/gemm.cuh",
+            "scale_row != nullptr ? scale_row + ks : p.topk_weights, scale_row != nullptr);",
+            "scale_row != nullptr ? scale_row + ks : p.topk_weights, false);",
+        ),
+    ],
     # Numerically unsafe (GEMM1 may read activations before they are visible): the cost of the GEMM0 release.
     "no_fence": [
         (
@@ -137,8 +175,15 @@ VARIANTS = {
 def main():
     timings = sys.argv[1]
     out = Path(sys.argv[2])
+    runs: dict[str, int] = {}
     for name in sys.argv[3].split(","):
-        root = variant_tree(name, Path("/tmp/var") / name)
+        # File-safe run name: csrc=DIR runs are named after DIR's last component.
+        flat = re.sub(
+            r"[^A-Za-z0-9_.-]", "_", Path(name.split("=", 1)[1]).name if name.startswith("csrc=") else name
+        )
+        runs[flat] = runs.get(flat, 0) + 1  # a variant run twice (bracketing the others) keeps both files
+        result = out / (f"var_{flat}.json" if runs[flat] == 1 else f"var_{flat}.run{runs[flat]}.json")
+        root = variant_tree(name, Path("/tmp/var") / flat)
         env = dict(os.environ, PYTHONPATH=str(root / "plugin"))
         r = subprocess.run(
             [
@@ -148,11 +193,12 @@ def main():
                 "--timings",
                 timings,
                 "--out",
-                str(out / f"var_{name}.json"),
+                str(result),
                 "--replays",
                 "20",
                 "--commit",
                 "variant-" + name,
+                *sys.argv[4:],
             ],
             env=env,
             capture_output=True,

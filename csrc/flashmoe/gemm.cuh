@@ -486,44 +486,60 @@ __device__ __forceinline__ void store_plain(const float (&acc)[N / 2], bf16* sta
 // ---- Split GEMM0 tiles (scheduler.cuh): each split leaves its fp32 accumulators in its own slot and counts
 // itself; the last split of the tile to count adds every slot in split order (the sum does not depend on which
 // split finished last, so results repeat bitwise) and runs the epilogue, the others are done with the tile.
+// A slot holds 64 floats per thread: bf16 tiles use them for one set of sums, fp8 GEMM0 tasks for their two
+// passes' (part 0 and 1, 32 floats each).
 struct SplitK {
   float* slots = nullptr;         // slot s of this consumer's rows at slots + s * kSplitSlotFloats; null: whole tile
-  uint32_t* arrivals = nullptr;   // splits of (tile, rows) counted so far this call
-  int* last = nullptr;            // shared word: the warpgroup's answer
+  uint32_t* arrivals = nullptr;   // splits of the tile (or of this consumer's rows) counted so far this call
+  int* last = nullptr;            // shared word: the answer for the warpgroup (or both: `joint`)
   int split = 0, splits = 1;
+  bool joint = false;             // both consumers decide together (an fp8 split-width tile: one epilogue)
 };
 
-// Returns whether this consumer warpgroup holds the tile's whole sum in acc (it was the last split, or the tile
-// is not split). Slots are written and read through L2 (other SMs wrote the ones read); thread 0's fences
-// around the count make the release/acquire of the classic threadfence reduction.
+// This thread's float4 `i4` of slot s.
+__device__ __forceinline__ float4* split_slot(const SplitK& sk, int s, int i4) {
+  return reinterpret_cast<float4*>(sk.slots + s * kSplitSlotFloats) + i4 * 128 + (threadIdx.x & 127);
+}
+
+// Part `part` of this split's slot <- acc.
 template <int kHalves, int kValues>
-__device__ __forceinline__ bool reduce_split(float (&acc)[kHalves][kValues], const SplitK& sk, int consumer) {
-  if (sk.slots == nullptr) return true;
-  static_assert(kValues % 4 == 0 && kHalves * kValues * 128 <= kSplitSlotFloats, "a split slot holds the sums");
-  const int tid = threadIdx.x & 127;
-  const auto slot = [&](int s) { return reinterpret_cast<float4*>(sk.slots + s * kSplitSlotFloats) + tid; };
-  float4* const mine = slot(sk.split);
+__device__ __forceinline__ void store_split(const float (&acc)[kHalves][kValues], const SplitK& sk, int part) {
+  static_assert(kValues % 4 == 0, "float4 slots");
+  constexpr int kPart4 = kHalves * kValues / 4;
 #pragma unroll
   for (int h = 0; h < kHalves; ++h)
 #pragma unroll
     for (int i = 0; i < kValues; i += 4)
-      __stcg(mine + (h * kValues + i) / 4 * 128, make_float4(acc[h][i], acc[h][i + 1], acc[h][i + 2], acc[h][i + 3]));
-  consumer_sync(consumer);
-  if (tid == 0) {
+      __stcg(split_slot(sk, sk.split, part * kPart4 + (h * kValues + i) / 4),
+             make_float4(acc[h][i], acc[h][i + 1], acc[h][i + 2], acc[h][i + 3]));
+}
+
+// Counts this split once its slot is written; whether it was the tile's last. Thread 0 of the warpgroup (of
+// consumer 0 when joint) fences around the count: the release/acquire of the classic threadfence reduction.
+__device__ __forceinline__ bool count_split(const SplitK& sk, int consumer) {
+  if (sk.joint) consumers_sync();
+  else consumer_sync(consumer);
+  if ((threadIdx.x & 127) == 0 && (!sk.joint || consumer == 0)) {
     __threadfence();  // every thread's slot stores (ordered by the barrier) before the count
     const bool last = atomicAdd(sk.arrivals, 1u) == static_cast<uint32_t>(sk.splits - 1);
     if (last) __threadfence();  // and the other splits' stores before our reads
     *sk.last = last;
   }
-  consumer_sync(consumer);
-  if (!*reinterpret_cast<volatile int*>(sk.last)) return false;
-  // The sum, own slot included, read back in split order: acc is dead across the count, which keeps the
-  // mainloop's registers as they were.
+  if (sk.joint) consumers_sync();
+  else consumer_sync(consumer);
+  return *reinterpret_cast<volatile int*>(sk.last) != 0;
+}
+
+// acc <- the sum of part `part` over every split's slot, own included, in split order (L2 reads: other SMs
+// wrote them).
+template <int kHalves, int kValues>
+__device__ __forceinline__ void sum_splits(float (&acc)[kHalves][kValues], const SplitK& sk, int part) {
+  constexpr int kPart4 = kHalves * kValues / 4;
 #pragma unroll
   for (int h = 0; h < kHalves; ++h)
 #pragma unroll
     for (int i = 0; i < kValues; i += 4) {
-      const float4 v = __ldcg(slot(0) + (h * kValues + i) / 4 * 128);
+      const float4 v = __ldcg(split_slot(sk, 0, part * kPart4 + (h * kValues + i) / 4));
       acc[h][i] = v.x;
       acc[h][i + 1] = v.y;
       acc[h][i + 2] = v.z;
@@ -534,12 +550,24 @@ __device__ __forceinline__ bool reduce_split(float (&acc)[kHalves][kValues], con
     for (int h = 0; h < kHalves; ++h)
 #pragma unroll
       for (int i = 0; i < kValues; i += 4) {
-        const float4 v = __ldcg(slot(s) + (h * kValues + i) / 4 * 128);
+        const float4 v = __ldcg(split_slot(sk, s, part * kPart4 + (h * kValues + i) / 4));
         acc[h][i] += v.x;
         acc[h][i + 1] += v.y;
         acc[h][i + 2] += v.z;
         acc[h][i + 3] += v.w;
       }
+}
+
+// bf16: whether this consumer warpgroup holds the tile's whole sum in acc (it was the last split, or the tile
+// is not split). acc is dead across the count (the sum is read back, own slot included), which keeps the
+// mainloop's registers as they were.
+template <int kHalves, int kValues>
+__device__ __forceinline__ bool reduce_split(float (&acc)[kHalves][kValues], const SplitK& sk, int consumer) {
+  if (sk.slots == nullptr) return true;
+  static_assert(kHalves * kValues * 128 <= kSplitSlotFloats, "a split slot holds the sums");
+  store_split(acc, sk, 0);
+  if (!count_split(sk, consumer)) return false;
+  sum_splits(acc, sk, 0);
   return true;
 }
 
@@ -576,13 +604,22 @@ static __device__ __noinline__ TileDone mma_tile_to_staging(const Params& p, con
   return TileDone{st, true};
 }
 
-// fp8: GEMM0 (kGateUp: fp32 SwiGLU values at fp32 staging column `column`) or GEMM1 (bf16 rows).
+// fp8: GEMM0 (kGateUp: fp32 SwiGLU values at fp32 staging column `column`; a split task's pass instead leaves
+// its sums in part `pass` of its slot) or GEMM1 (bf16 rows).
 template <bool kGateUp, int N>
 static __device__ __noinline__ PipeState mma_fp8_tile_to_staging(const Params& p, const GemmSmem g, PipeState st,
-                                                          int k_steps, void* staging, int column) {
+                                                          int k_steps, void* staging, int column, SplitK sk = SplitK{},
+                                                          int pass = 0) {
   constexpr int kHalves = ping_pong(N, true) ? 2 : 1;
   float acc[kHalves][N / 2];
   consume_tile_fp8<N>(p, g, st, k_steps, acc);
+  if constexpr (kGateUp) {
+    static_assert(kFp8Gemm0Passes * kHalves * (N / 2) * 128 <= kSplitSlotFloats, "a split slot holds both passes");
+    if (sk.slots != nullptr) {
+      store_split(acc, sk, pass);
+      return st;
+    }
+  }
 #pragma unroll
   for (int h = 0; h < kHalves; ++h) {
     if constexpr (kGateUp) store_swiglu<N>(acc[h], static_cast<float*>(staging), kFp8StagingStride, column + h * kConsumerRows / 2);
@@ -615,11 +652,26 @@ __device__ __forceinline__ Staged mma_tile_to_staging(const Params& p, const Gem
   return out;
 }
 
+// The last split of an fp8 GEMM0 task: both passes' sums into SwiGLU values in the fp32 staging, as the unsplit
+// passes leave them. Its own function: its 32 sums per pass would otherwise live in the kernel body's registers.
+template <int N>
+static __device__ __noinline__ void fp8_split_sums_to_staging(const SplitK sk, float* staging, int column) {
+  constexpr int kHalves = ping_pong(N, true) ? 2 : 1;
+  for (int pass = 0; pass < kFp8Gemm0Passes; ++pass) {
+    float acc[kHalves][N / 2];
+    sum_splits(acc, sk, pass);
+#pragma unroll
+    for (int h = 0; h < kHalves; ++h)
+      store_swiglu<N>(acc[h], staging, kFp8StagingStride, column + pass * kInterMultiple + h * kConsumerRows / 2);
+  }
+}
+
 // fp8 GEMM0 task (128 intermediate features = one activation group): two passes of 64 features over K, their
 // fp32 SwiGLU values into the fp32 staging (ping-pong: the consumer's area, all 128 columns; split: the joint
-// area, this consumer's 32 columns of each pass). Returns that staging.
+// area, this consumer's 32 columns of each pass). Returns that staging, or null for a split task whose tile's
+// last split is another one (a split task's passes leave their sums in its slot; the last adds them up).
 __device__ __forceinline__ const float* mma_fp8_gemm0_to_staging(const Params& p, const GemmSmem& g, PipeState& st,
-                                                                 int tile_tokens, int k_steps) {
+                                                                 int tile_tokens, int k_steps, const SplitK& sk) {
   const int consumer = threadIdx.x / 128 - 1;
   const float* out = nullptr;
   with_tile_tokens<true>(tile_tokens, [&](auto tile) {
@@ -628,7 +680,11 @@ __device__ __forceinline__ const float* mma_fp8_gemm0_to_staging(const Params& p
     float* staging = g.fp8_staging(consumer, N);
     const int column = ping_pong(N, true) ? 0 : consumer * kConsumerRows / 2;
     for (int pass = 0; pass < kFp8Gemm0Passes; ++pass)
-      st = mma_fp8_tile_to_staging<true, N>(p, g, st, k_steps, staging, column + pass * kInterMultiple);
+      st = mma_fp8_tile_to_staging<true, N>(p, g, st, k_steps, staging, column + pass * kInterMultiple, sk, pass);
+    if (sk.slots != nullptr) {
+      if (!count_split(sk, consumer)) return;
+      fp8_split_sums_to_staging<N>(sk, staging, column);
+    }
     out = staging;
   });
   return out;

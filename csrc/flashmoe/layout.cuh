@@ -10,7 +10,7 @@
 //              send_tokens   T*H*2            put path only: x staged in registered memory
 //              send_scales   T*(H/128)*4      put path only (fp8 layers)
 //              send_meta     W*T*(1+k)*4      put path only
-//              combine_stage B*128*128*2      put path only: one GEMM1 output tile per block
+//              combine_stage B*R*128*128*2    put path only: a ring of R GEMM1 output tiles per block
 //   workspace  expert_rows   E_l*W*T*4        per local expert: received (row, j) entries
 //              act           W*T*min(k,E_l)*I*2   SwiGLU activations, grouped by expert (fp8 layers: e4m3)
 //              act_scales    W*T*min(k,E_l)*(I/128)*4  fp8 layers: their per-128-group scales
@@ -52,8 +52,11 @@ struct WorkspaceLayout {
   int64_t total;
 };
 
-// Put path: one GEMM1 output tile per block (up to 128 tokens x 128 features, bf16).
-constexpr int64_t kCombineStageBytesPerBlock = 128 * kHiddenMultiple * 2;
+// Put path: a ring of kPutRingTiles GEMM1 output tiles per block (up to 128 tokens x 128 features, bf16, each),
+// the registered source of the combine puts. A slot is rewritten only after a quiet (tasks.cuh store_outputs),
+// so a block quiets once per kPutRingTiles tiles, not once per tile; a decode call's few tiles per block never.
+constexpr int kPutRingTiles = 4;
+constexpr int64_t kCombineStageBytesPerTile = 128 * kHiddenMultiple * 2;
 
 // Split GEMM0 tiles (scheduler.cuh): a slot holds one consumer warpgroup's fp32 accumulators of one split (64
 // per thread: 128 rows x 64 tokens, or 64 rows x 128). A call keeps GEMM0 tiles x splits <= blocks, so
@@ -76,7 +79,7 @@ __host__ __device__ inline SymLayout sym_layout(const Capacity& c) {
   l.send_tokens = take(c.max_tokens_per_rank * c.hidden_size * 2);
   l.send_scales = take(c.max_tokens_per_rank * (c.hidden_size / kHiddenMultiple) * 4);
   l.send_meta = take(c.world_size * c.max_tokens_per_rank * meta_stride(c.top_k) * 4);
-  l.combine_stage = take(c.num_blocks * kCombineStageBytesPerBlock);
+  l.combine_stage = take(c.num_blocks * kPutRingTiles * kCombineStageBytesPerTile);
   l.total = off;
   return l;
 }

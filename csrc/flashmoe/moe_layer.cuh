@@ -27,8 +27,8 @@
 
 namespace flashmoe {
 
-static_assert(kCombineStageBytesPerBlock == kConsumers * kMaxTileTokens * kConsumerRows * 2,
-              "layout.cuh sizes the put-path staging for one GEMM1 tile per block");
+static_assert(kCombineStageBytesPerTile == kConsumers * kMaxTileTokens * kConsumerRows * 2,
+              "layout.cuh sizes each put-path staging slot for one GEMM1 tile of both consumers");
 
 struct BlockShared {
   PeerTable peers;

@@ -16,7 +16,7 @@
 // so decode experts with a handful of rows cost one weight pass.
 //
 // Small T: a call whose GEMM0 tiles leave blocks idle (a DP decode step at c = 1: 2-4 experts per rank, 24-48
-// tiles of 512 KiB for 132 SMs) streams GEMM0, the critical path, at a few SMs' rate. Each GEMM0 tile's K is then
+// tiles of 512 KiB for 132 SMs; fp8 at T = 1 and EP4: 48 tasks) streams GEMM0, the critical path, at a few SMs' rate. Each GEMM0 tile's K is then
 // split over `gemm0_splits` tasks (adjacent in the queue); each keeps its fp32 partial sums, and the last of a tile
 // to finish adds them in split order and runs the epilogue (gemm.cuh reduce_split).
 #pragma once
@@ -112,19 +112,18 @@ constexpr int kMinSplitKSteps = 8;
 // (tiles x splits <= blocks) and that splits K evenly into at least kMinSplitKSteps steps; 1 when the tiles
 // already fill the blocks. One wave, not more: measured at T = 1 (96 tiles for 132 blocks), two splits (192
 // tasks, 1.45 waves) were 2-4 us slower than none -- the first wave already streams at HBM rate, and the
-// second wave's splits come after it (benchmarks/kernel-notes.md). bf16 only: an fp8 GEMM0 task's epilogue
-// quantises from both its passes' fp32 values, which a split would have to carry as well.
-__host__ __device__ constexpr int gemm0_splits(bool fp8, int tiles, int blocks, int k_steps, int max_splits) {
+// second wave's splits come after it (benchmarks/kernel-notes.md). An fp8 GEMM0 task covers 128 features (two
+// passes), so the same experts give half as many tasks and leave blocks idle sooner; its K step is 128 elements
+// (H = 2048: 16 steps, at most 2 splits).
+__host__ __device__ constexpr int gemm0_splits(int tiles, int blocks, int k_steps, int max_splits) {
   int s = 1;
-  if (fp8) return s;
   while (2 * s <= max_splits && tiles * 2 * s <= blocks && k_steps % (2 * s) == 0 && k_steps / (2 * s) >= kMinSplitKSteps)
     s *= 2;
   return s;
 }
-static_assert(gemm0_splits(false, 96, 132, 32, 4) == 1 && gemm0_splits(false, 48, 132, 32, 4) == 2 &&
-                  gemm0_splits(false, 24, 132, 32, 4) == 4 && gemm0_splits(false, 24, 132, 16, 4) == 2 &&
-                  gemm0_splits(true, 24, 132, 16, 4) == 1 && gemm0_splits(false, 24, 132, 32, 1) == 1 &&
-                  gemm0_splits(false, 12, 132, 32, 4) == 4,
+static_assert(gemm0_splits(96, 132, 32, 4) == 1 && gemm0_splits(48, 132, 32, 4) == 2 && gemm0_splits(24, 132, 32, 4) == 4 &&
+                  gemm0_splits(24, 132, 16, 4) == 2 && gemm0_splits(24, 132, 32, 1) == 1 && gemm0_splits(12, 132, 32, 4) == 4 &&
+                  gemm0_splits(48, 132, 16, 4) == 2 && gemm0_splits(48, 132, 56, 4) == 2,
               "GEMM0 split rule");
 
 template <bool kFp8>
@@ -135,7 +134,7 @@ __device__ __forceinline__ TaskCounts task_counts(const Params& p, const ExpertT
   c.k_steps[0] = p.hidden_size / tile_k(kFp8);
   c.k_steps[1] = p.intermediate_size / tile_k(kFp8);
   const int tiles0 = t.tile_offset[p.num_local] * c.feature_tiles[0];
-  c.gemm0_splits = gemm0_splits(kFp8, tiles0, static_cast<int>(gridDim.x), c.k_steps[0], p.gemm0_max_splits);
+  c.gemm0_splits = gemm0_splits(tiles0, static_cast<int>(gridDim.x), c.k_steps[0], p.gemm0_max_splits);
   c.gemm0 = tiles0 * c.gemm0_splits;
   c.total = c.gemm0 + t.tile_offset[p.num_local] * c.feature_tiles[1];
   return c;

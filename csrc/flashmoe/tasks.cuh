@@ -230,19 +230,28 @@ __device__ __forceinline__ void store_activations_fp8(const Params& p, const Gem
 }
 
 // GEMM1 epilogue of one consumer: its output features of the tile's rows into the owners' combine buffers.
-// Returns the bytes sent to other ranks (metrics).
+// Returns the bytes sent to other ranks (metrics). Proxied rows go out as non-blocking puts from slot
+// `put_tiles % kPutRingTiles` of the block's staging ring; the one quiet that lets the ring be rewritten comes
+// when it wraps, and the GEMM phase's last block quiets once more before the combine signals (moe_layer.cuh).
 __device__ __forceinline__ int64_t store_outputs(const Params& p, const PeerTable& peers, bool any_proxied,
                                                  const GemmSmem& g, const Task& task, const Staged& staged,
-                                                 int consumer) {
+                                                 int consumer, int& put_tiles) {
   const int tid = threadIdx.x & 127;
   const int k = p.top_k, H = p.hidden_size;
   const int* meta = sym_ptr<int>(p, p.sym_off.recv_meta);
   int64_t* row_dst = g.row_dst(consumer);
   int* row_rank = g.row_rank(consumer);
   const int features = staged.features;
-  // Put path: this consumer's slot of the block's registered staging tile (rows x features <= its size).
+  // Put path: this consumer's part of the ring slot (rows x features <= its size).
+  const int ring_slot = put_tiles % kPutRingTiles;
   bf16* put_stage = sym_ptr<bf16>(p, p.sym_off.combine_stage) +
-                    (static_cast<int64_t>(blockIdx.x) * kConsumers + consumer) * kMaxTileTokens * kConsumerRows;
+                    ((static_cast<int64_t>(blockIdx.x) * kPutRingTiles + ring_slot) * kConsumers + consumer) *
+                        kMaxTileTokens * kConsumerRows;
+  if (any_proxied && ring_slot == 0 && put_tiles > 0) {
+    // Wrapped: the puts from every slot are complete (quiet covers all of this PE's) before one is rewritten.
+    if (tid == 0) nvshmem_quiet();
+    consumer_sync(consumer);
+  }
   int64_t remote_bytes = 0;
   if (tid < task.rows) {  // where each row goes: (source rank, element offset in its combine buffer)
     const int entry = ldcg(expert_list(p, task.expert) + task.first_row + tid);
@@ -268,27 +277,31 @@ __device__ __forceinline__ int64_t store_outputs(const Params& p, const PeerTabl
     if (q == 0 && dst != p.rank) remote_bytes += features * 2;
   }
   if (any_proxied) {
-    // Proxied rows: one put per row segment from the registered staging tile, complete before reuse.
+    // Proxied rows: one put per row segment from the staging slot.
     consumer_sync(consumer);
     if (tid < task.rows && !use_p2p(peers, row_rank[tid]))
       nvshmem_putmem_nbi(sym_ptr<bf16>(p, p.sym_off.combine_rows) + row_dst[tid], put_stage + tid * features,
                          features * 2, row_rank[tid]);
-    consumer_sync(consumer);
-    if (tid == 0) nvshmem_quiet();
+    ++put_tiles;
   }
   consumer_sync(consumer);  // staging and the row table are rewritten by the consumer's next tile
   return remote_bytes;
 }
 
-// This consumer's part of a split GEMM0 tile (gemm.cuh reduce_split), or the whole tile. A split-width tile's
-// consumers each sum their own 64 rows; a ping-pong tile's owner all 128.
+// This consumer's part of a split GEMM0 tile (gemm.cuh), or the whole tile. A ping-pong tile's owner sums all
+// 128 rows; a split-width tile's consumers each their own 64, and decide alone (bf16: separate epilogues) or
+// together (fp8: one epilogue quantises both halves' features, so both must run it or neither).
+template <bool kFp8>
 __device__ __forceinline__ SplitK split_k(const Params& p, const GemmSmem& g, const Task& task, int consumer) {
   if (task.splits == 1) return SplitK{};
-  const int rows = ping_pong(task.tile_tokens, false) ? 0 : consumer;
+  const bool ping = ping_pong(task.tile_tokens, kFp8);
+  const int rows = ping ? 0 : consumer;
+  const bool joint = kFp8 && !ping;
   const int64_t group = static_cast<int64_t>(task.tile) * kSplitRowGroups + rows;
+  const int64_t counter = static_cast<int64_t>(task.tile) * kSplitRowGroups + (joint ? 0 : rows);
   return SplitK{ws_ptr<float>(p, p.ws_off.gemm0_partials) + group * task.splits * kSplitSlotFloats,
-                ws_ptr<uint32_t>(p, p.ws_off.gemm0_split_arrivals) + group, g.split_last(consumer), task.split,
-                task.splits};
+                ws_ptr<uint32_t>(p, p.ws_off.gemm0_split_arrivals) + counter, g.split_last(joint ? 0 : consumer),
+                task.split, task.splits, joint};
 }
 
 __device__ __forceinline__ void trace_mma_done(const PipeState& st) {
@@ -312,6 +325,7 @@ __device__ int64_t consume_tasks(const Params& p, const PeerTable& peers, bool a
   TaskQueue queue;
   int64_t remote_bytes = 0;
   int ping_pong_tiles = 0;  // ping-pong tiles this block has taken so far
+  int put_tiles = 0;        // GEMM1 tiles this consumer has staged for puts (store_outputs' ring position)
   int index;
   while ((index = next_task(p, g, queue, counts.total)) >= 0) {
     const Task task = decode_task<kFp8>(table, p.num_local, counts, index);
@@ -324,11 +338,12 @@ __device__ int64_t consume_tasks(const Params& p, const PeerTable& peers, bool a
     trace(kTraceConsumerTask, index);
     if (task.gemm == 0) {
       if constexpr (kFp8) {
-        const float* staging = mma_fp8_gemm0_to_staging(p, g, st, task.tile_tokens, k_steps);
+        const float* staging =
+            mma_fp8_gemm0_to_staging(p, g, st, task.tile_tokens, k_steps, split_k<true>(p, g, task, consumer));
         trace_mma_done(st);
-        store_activations_fp8(p, g, table, task, staging, consumer);
+        if (staging != nullptr) store_activations_fp8(p, g, table, task, staging, consumer);
       } else {
-        const Staged staged = mma_tile_to_staging<true>(p, g, st, task.tile_tokens, k_steps, split_k(p, g, task, consumer));
+        const Staged staged = mma_tile_to_staging<true>(p, g, st, task.tile_tokens, k_steps, split_k<false>(p, g, task, consumer));
         trace_mma_done(st);
         if (staged.rows != nullptr) {  // the whole tile, or the last of its splits
           consumer_sync(consumer);
@@ -338,7 +353,7 @@ __device__ int64_t consume_tasks(const Params& p, const PeerTable& peers, bool a
     } else {
       const Staged staged = mma_tile_to_staging<false, kFp8>(p, g, st, task.tile_tokens, k_steps);
       trace_mma_done(st);
-      remote_bytes += store_outputs(p, peers, any_proxied, g, task, staged, consumer);
+      remote_bytes += store_outputs(p, peers, any_proxied, g, task, staged, consumer, put_tiles);
     }
     trace(kTraceConsumerEpilogueDone);
   }
