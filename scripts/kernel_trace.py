@@ -146,11 +146,13 @@ def analyse(trace: list[list[list[tuple]]], H: int, I: int, fp8: bool = False) -
                 producer.append(cur)
             elif cur is not None and kind == PRODUCER_READY:
                 cur["ready"] = (g - t0) / 1e3
+            # A task of several passes (fp8 GEMM0: two 64-feature weight tiles) issues each pass's stages in
+            # turn: its first issue is the first pass's, its last the last pass's, its empty-slot waits their sum.
             elif cur is not None and kind == PRODUCER_FIRST:
-                cur["first_issue"] = (g - t0) / 1e3
+                cur.setdefault("first_issue", (g - t0) / 1e3)
             elif cur is not None and kind == PRODUCER_LAST:
                 cur["last_issue"] = (g - t0) / 1e3
-                cur["empty_wait"] = a / rate / 1e3
+                cur["empty_wait"] = cur.get("empty_wait", 0.0) + a / rate / 1e3
         # Each consumer warpgroup's view of the tiles it computed: both for a split tile, one (its owner) for a
         # ping-pong tile.
         by_index = {p["index"]: p for p in producer if p["block"] == blk}

@@ -216,8 +216,8 @@ struct PipeState {
   int tile_tokens = 0;      // N the pool is carved for; 0 before the first tile
   uint32_t parity = 0;      // bit s: how many times stage s was used, mod 2
 #if FLASHMOE_TRACE
-  uint64_t trace_wait = 0;        // cycles the current tile spent waiting on pipeline barriers
-  uint64_t trace_first_full = 0;  // clock when the tile's first stage had landed (consumers)
+  uint64_t trace_wait = 0;        // cycles the current tile spent waiting on pipeline barriers (all passes)
+  uint64_t trace_first_full = 0;  // clock when the tile's first stage had landed (consumers; reset per tile)
 #endif
 
   // At the start of every tile (producer and consumers alike): a tile of another width re-carves the pool.
@@ -326,7 +326,7 @@ __device__ __forceinline__ void wait_stage_full(const Params& p, const GemmSmem&
   pipe_wait(p, g, g.full(st.stage), st.phase());
   const uint64_t landed = clock64();
   st.trace_wait += landed - wait_start;
-  if (ks == 0) st.trace_first_full = landed;
+  if (ks == 0 && st.trace_first_full == 0) st.trace_first_full = landed;  // a tile's first pass only
 #else
   (void)ks;
   pipe_wait(p, g, g.full(st.stage), st.phase());
@@ -346,9 +346,6 @@ __device__ __forceinline__ void consume_tile(const Params& p, const GemmSmem& g,
   const uint32_t first_row = kHalves == 2 ? 0 : consumer * kConsumerRows;
   int previous = -1;
   int ks = 0;
-#if FLASHMOE_TRACE
-  st.trace_wait = 0;
-#endif
   do {  // k_steps >= 1 (K is a multiple of kTileK); a do-loop keeps ptxas's wgmma pipeline analysis simple
     wait_stage_full(p, g, st, ks);
     const uint32_t stage = smem_addr(g.stage(st.stage, N));
@@ -389,9 +386,6 @@ __device__ __forceinline__ void consume_tile_fp8(const Params& p, const GemmSmem
 #pragma unroll
     for (int i = 0; i < N / 2; ++i) acc[h][i] = 0.f;
   int ks = 0;
-#if FLASHMOE_TRACE
-  st.trace_wait = 0;
-#endif
   do {
     wait_stage_full(p, g, st, ks);
     const uint32_t stage = smem_addr(g.stage(st.stage, N));

@@ -336,6 +336,10 @@ __device__ int64_t consume_tasks(const Params& p, const PeerTable& peers, bool a
       continue;
     }
     trace(kTraceConsumerTask, index);
+#if FLASHMOE_TRACE
+    st.trace_wait = 0;  // over the whole tile: an fp8 GEMM0 task runs two passes of its K steps
+    st.trace_first_full = 0;
+#endif
     if (task.gemm == 0) {
       if constexpr (kFp8) {
         const float* staging =

@@ -1,0 +1,64 @@
+"""scripts/kernel_trace.py's analysis of decoded trace events (no GPU): an fp8 GEMM0 task issues its stages in
+two passes, and the producer's view of the task must be the whole task's (first pass's first issue, last pass's
+last issue, the empty-slot waits of both), not the last pass's alone."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+@pytest.fixture(scope="module")
+def kernel_trace():
+    before = os.environ.get("FLASHMOE_TRACE")
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        module = importlib.import_module("kernel_trace")
+    finally:
+        sys.path.remove(str(SCRIPTS))
+        # The module asks for the trace build before flashmoe loads its library; the rest of the suite must not.
+        if before is None:
+            os.environ.pop("FLASHMOE_TRACE", None)
+        else:
+            os.environ["FLASHMOE_TRACE"] = before
+    return module
+
+
+def _task(kt, ns, index, gemm, n, splits=1, rows=1):
+    return (ns, ns * 2, kt.PRODUCER_TASK, index, gemm << 24 | 3, splits << 28 | n << 8 | rows)
+
+
+def test_a_two_pass_task_is_timed_from_its_first_pass_to_its_last(kernel_trace):
+    kt = kernel_trace
+    rate = 2  # cycles per ns, as the events' clocks below say
+    producer = [
+        (0, 0, 0, 0, 0, 0),  # phase event: start
+        _task(kt, 1_000, 0, gemm=0, n=32),
+        (1_200, 2_400, kt.PRODUCER_READY, 0, 0, 0),
+        (1_500, 3_000, kt.PRODUCER_FIRST, 0, 0, 0),  # pass 0
+        (5_000, 10_000, kt.PRODUCER_LAST, 600 * rate, 0, 0),
+        (5_100, 10_200, kt.PRODUCER_FIRST, 0, 0, 0),  # pass 1
+        (9_000, 18_000, kt.PRODUCER_LAST, 400 * rate, 0, 0),
+        _task(kt, 10_000, 1, gemm=1, n=32),
+        (10_300, 20_600, kt.PRODUCER_READY, 0, 0, 0),
+        (10_400, 20_800, kt.PRODUCER_FIRST, 0, 0, 0),
+        (12_000, 24_000, kt.PRODUCER_LAST, 100 * rate, 0, 0),
+    ]
+    trace = [[producer, [], []]]
+    summary = kt.analyse(trace, H=2048, I=768, fp8=True)
+    gemm0 = summary["producer_tiles"]["gemm0/N32"]
+    assert gemm0["taken_to_ready"] == pytest.approx(0.2)
+    assert gemm0["ready_to_first_issue"] == pytest.approx(0.3)  # pass 0's first issue, not pass 1's (3.9)
+    assert gemm0["issue_span"] == pytest.approx(7.5)  # to pass 1's last issue
+    assert gemm0["empty_wait"] == pytest.approx(1.0)  # 0.6 + 0.4 us
+    gemm1 = summary["producer_tiles"]["gemm1/N32"]
+    assert gemm1["ready_to_first_issue"] == pytest.approx(0.1)
+    assert gemm1["empty_wait"] == pytest.approx(0.1)
+    # Weight bytes: the fp8 GEMM0 task's two passes of 128 one-byte rows of K = H, and one GEMM1 tile of K = I.
+    assert summary["gemm_weight_bytes"] == 128 * 2048 * 2 + 128 * 768
