@@ -15,6 +15,8 @@ import argparse
 import json
 from pathlib import Path
 
+from variants_report import cell  # the same table cells as the kernel_check variants' report
+
 
 def load_runs(pairs: list[str]) -> list[tuple[str, dict]]:
     """(run name, layer_bench output) per NAME=FILE, in the order given; repeated names get .runN."""
@@ -93,11 +95,7 @@ def markdown(names: list[str], rows: list[dict]) -> str:
         case = f"{row['model']} {row['dtype']} {row['routing']} T={row['tokens_per_rank']}"
         if row["padding_ranks"]:
             case += f" +{row['padding_ranks']} padding"
-        cells = []
-        for name in names:
-            us = row["p50_us"].get(name)
-            ratio = row["speedup_vs_base"].get(name)
-            cells.append("-" if us is None else f"{us:.1f}" + ("" if ratio is None else f" ({ratio:.2f}x)"))
+        cells = [cell(row["p50_us"].get(name), row["speedup_vs_base"].get(name)) for name in names]
         lines.append(f"| {case} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

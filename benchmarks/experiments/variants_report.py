@@ -53,14 +53,15 @@ def table(runs: list[tuple[str, dict]], base: str) -> tuple[list[str], list[dict
     return names, rows
 
 
+def cell(us: float | None, ratio: float | None) -> str:
+    """A table cell: a run's time and its ratio to the base ('-' where the run did not time the case)."""
+    return "-" if us is None else f"{us:.1f}" + ("" if ratio is None else f" ({ratio:.2f}x)")
+
+
 def markdown(names: list[str], rows: list[dict]) -> str:
     lines = ["| shape | T | " + " | ".join(names) + " |", "| --- | ---: |" + " ---: |" * len(names)]
     for row in rows:
-        cells = []
-        for name in names:
-            us = row["us"].get(name)
-            ratio = row["speedup_vs_base"].get(name)
-            cells.append("-" if us is None else f"{us:.1f}" + ("" if ratio is None else f" ({ratio:.2f}x)"))
+        cells = [cell(row["us"].get(name), row["speedup_vs_base"].get(name)) for name in names]
         lines.append(f"| {row['shape']} | {row['tokens']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
