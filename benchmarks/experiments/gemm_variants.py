@@ -28,6 +28,11 @@ def patch(root, rel, old, new):
     f.write_text(s.replace(old, new))
 
 
+def csrc_dir(name):
+    """DIR of a ``csrc=DIR`` variant name, else None."""
+    return name.split("=", 1)[1] if name.startswith("csrc=") else None
+
+
 def variant_tree(name, root):
     """A fresh copy of the checkout at ``root`` with variant ``name`` applied: a name from VARIANTS, or
     ``csrc=DIR`` (DIR relative to the checkout) for another tree's csrc/, e.g. an older commit's."""
@@ -36,9 +41,9 @@ def variant_tree(name, root):
     # Sources only: not the checkout's virtual environments (.venv-sglang is 6 GB), caches or results.
     skip = shutil.ignore_patterns(".*", "__pycache__", "*.egg-info", "results")
     shutil.copytree(SRC, root, ignore=skip)
-    if name.startswith("csrc="):
+    if csrc_dir(name) is not None:
         shutil.rmtree(root / "csrc")
-        shutil.copytree(SRC / name.split("=", 1)[1], root / "csrc")
+        shutil.copytree(SRC / csrc_dir(name), root / "csrc")
     else:
         for rel, old, new in VARIANTS[name]:
             patch(root, rel, old, new)
@@ -179,7 +184,7 @@ def main():
     for name in sys.argv[3].split(","):
         # File-safe run name: csrc=DIR runs are named after DIR's last component.
         flat = re.sub(
-            r"[^A-Za-z0-9_.-]", "_", Path(name.split("=", 1)[1]).name if name.startswith("csrc=") else name
+            r"[^A-Za-z0-9_.-]", "_", Path(csrc_dir(name)).name if csrc_dir(name) is not None else name
         )
         runs[flat] = runs.get(flat, 0) + 1  # a variant run twice (bracketing the others) keeps both files
         result = out / (f"var_{flat}.json" if runs[flat] == 1 else f"var_{flat}.run{runs[flat]}.json")

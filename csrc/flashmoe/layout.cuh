@@ -54,7 +54,8 @@ struct WorkspaceLayout {
 
 // Put path: a ring of kPutRingTiles GEMM1 output tiles per block (up to 128 tokens x 128 features, bf16, each),
 // the registered source of the combine puts. A slot is rewritten only after a quiet (tasks.cuh store_outputs),
-// so a block quiets once per kPutRingTiles tiles, not once per tile; a decode call's few tiles per block never.
+// so each consumer warpgroup (its own position in the ring) quiets once per kPutRingTiles of its tiles, not
+// once per tile; a decode call's few tiles never wrap.
 constexpr int kPutRingTiles = 4;
 constexpr int64_t kCombineStageBytesPerTile = 128 * kHiddenMultiple * 2;
 

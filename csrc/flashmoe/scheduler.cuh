@@ -16,9 +16,10 @@
 // so decode experts with a handful of rows cost one weight pass.
 //
 // Small T: a call whose GEMM0 tiles leave blocks idle (a DP decode step at c = 1: 2-4 experts per rank, 24-48
-// tiles of 512 KiB for 132 SMs; fp8 at T = 1 and EP4: 48 tasks) streams GEMM0, the critical path, at a few SMs' rate. Each GEMM0 tile's K is then
-// split over `gemm0_splits` tasks (adjacent in the queue); each keeps its fp32 partial sums, and the last of a tile
-// to finish adds them in split order and runs the epilogue (gemm.cuh reduce_split).
+// tiles of 512 KiB for 132 SMs; fp8 at T = 1 and EP4: 48 tasks) streams GEMM0, the critical path, at a few SMs'
+// rate. Each GEMM0 tile's K is then split over `gemm0_splits` tasks (adjacent in the queue); each keeps its fp32
+// partial sums, and the last of a tile to finish adds them in split order and runs the epilogue (gemm.cuh
+// store_split / count_split / sum_splits).
 #pragma once
 
 #include "common.cuh"
