@@ -108,6 +108,14 @@ def _megakernel_records(rank: int, world: int, port: int) -> None:
     start, end = mine[:, mr.START_NS], mine[:, mr.END_NS]
     assert (end > start).all(), (start, end)
     assert (start[1:] >= start[:-1]).all() and (end[1:] >= end[:-1]).all(), "device timestamps not monotonic"
+    # Phase ends (the last block's arrival at each grid barrier; GEMM0's last tile) fall in order inside the call.
+    from flashmoe import contract as c
+
+    phases = mine[:, [c.RING_DISPATCH_END_NS, c.RING_RECEIVE_END_NS, c.RING_GEMM1_END_NS]]
+    assert (phases[:, 0] > start).all() and (phases[:, 2] <= end).all(), (start, phases, end)
+    assert (phases[:, 1:] >= phases[:, :-1]).all(), phases
+    gemm0_end = mine[:, c.RING_GEMM0_END_NS]
+    assert ((gemm0_end > phases[:, 1]) & (gemm0_end <= phases[:, 2])).all(), (phases, gemm0_end)
     util = mine[:, mr.BUSY_NS].double() / (mine[:, mr.NUM_BLOCKS] * (end - start)).double()
     assert ((util > 0) & (util <= 1)).all(), util
     assert mine[:, mr.TOKENS_IN].tolist() == list(TOKEN_COUNTS)

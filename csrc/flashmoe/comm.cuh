@@ -78,13 +78,18 @@ __device__ __forceinline__ void send_signal(const Params& p, const PeerTable& pe
 
 // Reset-free grid barrier for co-resident blocks (cooperative launch guarantees residency): each block adds 1,
 // block 0 adds 2^31 - (n - 1), so the high bit flips exactly when all n have arrived; the low bits return to 0.
-__device__ void grid_barrier(const Params& p, int index, uint32_t epoch) {
+__device__ void grid_barrier(const Params& p, int index, uint32_t epoch, int64_t* phase_end = nullptr) {
   __syncthreads();
   if (threadIdx.x == 0) {
     uint32_t* word = ws_ptr<uint32_t>(p, p.ws_off.barrier);
     const uint32_t add = blockIdx.x == 0 ? (0x80000000u - (gridDim.x - 1)) : 1u;
+    const uint64_t arrived_ns = phase_end != nullptr ? globaltimer_ns() : 0;
     __threadfence();
     const uint32_t old = atomicAdd(word, add);
+    // The adds of one barrier sum to 2^31, and only the last of them carries into the top bit: that block is
+    // the last to finish the phase, and its arrival time is the phase's end (metrics.cuh; one plain store in
+    // place of an atomicMax from every block on one line, which this barrier's fence would wait for).
+    if (phase_end != nullptr && ((old ^ (old + add)) & 0x80000000u)) *phase_end = static_cast<int64_t>(arrived_ns);
     const uint64_t start = globaltimer_ns();
     uint32_t spins = 0;
     while (((old ^ ld_acquire_gpu(word)) & 0x80000000u) == 0) {

@@ -80,7 +80,7 @@ enum RingField : int {
   kRingSeq = 0,             // the call's epoch (> 0); 0 = never written
   kRingLayerId = 1,
   kRingStartNs = 2,         // %globaltimer at kernel start
-  kRingEndNs = 3,           // %globaltimer when the last block finished
+  kRingEndNs = 3,           // %globaltimer once every block has finished (read by the last one)
   kRingBusyNs = 4,          // sum over blocks of the time each block did work
   kRingBlocksDone = 5,      // complete when == kRingNumBlocks
   kRingNumBlocks = 6,
@@ -89,7 +89,8 @@ enum RingField : int {
   kRingRowsReceived = 9,
   kRingRemoteBytes = 10,    // bytes sent to other ranks, dispatch + combine
   kRingWorldSize = 11,
-  // When the last block finished each phase (%globaltimer, max over blocks): where a call's time goes.
+  // When the last block finished each phase (%globaltimer at its arrival at the grid barrier that closes the
+  // phase; GEMM0: the last GEMM0 tile's end): where a call's time goes.
   kRingDispatchEndNs = 12,
   kRingReceiveEndNs = 13,
   kRingGemm0EndNs = 14,     // the last GEMM0 tile (GEMM1 tiles of finished experts may already run)

@@ -24,16 +24,18 @@ __device__ __forceinline__ int64_t* ring_record(const Params& p, uint32_t epoch)
   return p.metrics_ring + static_cast<int64_t>(epoch % kRingSlots) * kRingFields;
 }
 
-// The calling thread finished a piece of a phase now: the record keeps the latest such time.
+// The calling thread finished a piece of a phase now: the record keeps the latest such time. For one call
+// per phase only (the last GEMM0 tile): atomics from every block on one record line serialise in L2.
 __device__ __forceinline__ void mark_time(const Params& p, uint32_t epoch, RingField field) {
   if (p.metrics)
     atomicMax(reinterpret_cast<unsigned long long*>(ring_record(p, epoch)) + field,
               static_cast<unsigned long long>(globaltimer_ns()));
 }
 
-// Thread 0 of every block as it leaves a phase (before the grid barrier).
-__device__ __forceinline__ void mark_phase_end(const Params& p, uint32_t epoch, RingField field) {
-  if (threadIdx.x == 0) mark_time(p, epoch, field);
+// Where the grid barrier that closes a phase stores the phase's end (comm.cuh: the last block to arrive
+// writes its arrival time there), or nullptr with metrics off.
+__device__ __forceinline__ int64_t* phase_end_field(const Params& p, uint32_t epoch, RingField field) {
+  return p.metrics ? ring_record(p, epoch) + field : nullptr;
 }
 
 // Block 0, thread 0, at kernel start: the record is incomplete (seq 0) until the last block publishes it.
@@ -47,29 +49,40 @@ __device__ void open_record(const Params& p, uint32_t epoch, uint64_t start_ns, 
   rec[kRingNumBlocks] = gridDim.x;
   rec[kRingTokensIn] = tokens_in;
   rec[kRingWorldSize] = p.world_size;
-  __threadfence();
+  // No fence: the record is published by the last block's seq (publish_metrics), and every block reaches
+  // that through the grid barriers, whose fences order these stores before it.
 }
 
-// Thread 0 of every block, at its end. The last block to arrive completes the record and the totals.
+// Thread 0 of every block, at its end; the kernel ends with the last of these. All of a block's atomics go
+// to the record's one cache line or the layer's totals, where they serialise with every other block's, so
+// each block adds only what it has (rows and bytes are zero for most blocks at small T), the totals are
+// added here rather than read back from the record by the last block, and only the count returns a value.
+// The last block stamps the end (a time after every block's count) and then the seq that publishes the record.
 __device__ void publish_metrics(const Params& p, uint32_t epoch, uint64_t busy_ns, int64_t rows_sent,
                                 int64_t remote_bytes, int rows_received, int tokens_in) {
   int64_t* rec = ring_record(p, epoch);
   unsigned long long* u = reinterpret_cast<unsigned long long*>(rec);
+  unsigned long long* totals =
+      reinterpret_cast<unsigned long long*>(p.metrics_totals) + static_cast<int64_t>(p.layer_id) * kTotalsFields;
   atomicAdd(u + kRingBusyNs, static_cast<unsigned long long>(busy_ns));
-  atomicMax(u + kRingEndNs, static_cast<unsigned long long>(globaltimer_ns()));
-  atomicAdd(u + kRingRowsDispatched, static_cast<unsigned long long>(rows_sent));
-  atomicAdd(u + kRingRemoteBytes, static_cast<unsigned long long>(remote_bytes));
-  if (blockIdx.x == 0) rec[kRingRowsReceived] = rows_received;
+  if (rows_sent) {
+    atomicAdd(u + kRingRowsDispatched, static_cast<unsigned long long>(rows_sent));
+    atomicAdd(totals + kTotalRowsDispatched, static_cast<unsigned long long>(rows_sent));
+  }
+  if (remote_bytes) {
+    atomicAdd(u + kRingRemoteBytes, static_cast<unsigned long long>(remote_bytes));
+    atomicAdd(totals + kTotalRemoteBytes, static_cast<unsigned long long>(remote_bytes));
+  }
+  if (blockIdx.x == 0) {
+    rec[kRingRowsReceived] = rows_received;
+    atomicAdd(totals + kTotalCalls, 1ull);
+    atomicAdd(totals + kTotalTokensIn, static_cast<unsigned long long>(tokens_in));
+  }
   __threadfence();
   const unsigned long long done = atomicAdd(u + kRingBlocksDone, 1ull) + 1;
   if (done == gridDim.x) {
+    rec[kRingEndNs] = static_cast<int64_t>(globaltimer_ns());
     __threadfence();
-    unsigned long long* totals =
-        reinterpret_cast<unsigned long long*>(p.metrics_totals) + static_cast<int64_t>(p.layer_id) * kTotalsFields;
-    atomicAdd(totals + kTotalCalls, 1ull);
-    atomicAdd(totals + kTotalTokensIn, static_cast<unsigned long long>(tokens_in));
-    atomicAdd(totals + kTotalRowsDispatched, static_cast<unsigned long long>(atomicAdd(u + kRingRowsDispatched, 0ull)));
-    atomicAdd(totals + kTotalRemoteBytes, static_cast<unsigned long long>(atomicAdd(u + kRingRemoteBytes, 0ull)));
     atomicExch(u + kRingSeq, static_cast<unsigned long long>(epoch));
   }
 }

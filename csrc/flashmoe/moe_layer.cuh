@@ -71,9 +71,8 @@ __device__ void moe_layer(const Params& p) {
   const int rows_sent = (threadIdx.x & 31) == 0 ? warp_rows_sent : 0;  // every lane counted the warp's rows
   __threadfence_system();  // our NVLink stores are visible before any signal that follows the barrier
   clock.stop();
-  mark_phase_end(p, epoch, kRingDispatchEndNs);
   trace(kTraceDispatchDone);
-  grid_barrier(p, 1, epoch);
+  grid_barrier(p, 1, epoch, phase_end_field(p, epoch, kRingDispatchEndNs));
   trace(kTraceBarrier1Done);
   int64_t remote_bytes = 0;
   if (blockIdx.x == 0 && threadIdx.x == 0) {
@@ -96,9 +95,8 @@ __device__ void moe_layer(const Params& p) {
   clock.start();
   build_expert_lists(p, sh.recv);
   clock.stop();
-  mark_phase_end(p, epoch, kRingReceiveEndNs);
   trace(kTraceReceiveDone);
-  grid_barrier(p, 2, epoch);
+  grid_barrier(p, 2, epoch, phase_end_field(p, epoch, kRingReceiveEndNs));
   trace(kTraceBarrier2Done);
 
   // 3-4. GEMM0 (+ SwiGLU) and GEMM1 into the owners' combine buffers, one task queue (scheduler.cuh).
@@ -110,9 +108,8 @@ __device__ void moe_layer(const Params& p) {
   __threadfence_system();
   clock.stop();
   __syncthreads();
-  mark_phase_end(p, epoch, kRingGemm1EndNs);
   trace(kTraceGemmDone);
-  grid_barrier(p, 3, epoch);
+  grid_barrier(p, 3, epoch, phase_end_field(p, epoch, kRingGemm1EndNs));
   trace(kTraceBarrier3Done);
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     if (sh.any_proxied) nvshmem_quiet();

@@ -90,7 +90,7 @@ RING_FIELDS = 16
 RING_SEQ = 0  # the call's epoch (> 0); 0 = slot never written
 RING_LAYER_ID = 1
 RING_START_NS = 2  # %globaltimer at kernel start
-RING_END_NS = 3  # %globaltimer when the last block finished
+RING_END_NS = 3  # %globaltimer once every block has finished (read by the last one)
 RING_BUSY_NS = 4  # sum over blocks of the time each block did work
 RING_BLOCKS_DONE = 5  # complete when == RING_NUM_BLOCKS
 RING_NUM_BLOCKS = 6
@@ -99,7 +99,8 @@ RING_ROWS_DISPATCHED = 8  # token rows sent to ranks, this one included
 RING_ROWS_RECEIVED = 9
 RING_REMOTE_BYTES = 10  # bytes sent to other ranks, dispatch + combine
 RING_WORLD_SIZE = 11
-# When the last block finished each phase (%globaltimer, max over blocks): where a call's time goes.
+# When the last block finished each phase (%globaltimer at its arrival at the grid barrier that closes the
+# phase; GEMM0: the last GEMM0 tile's end): where a call's time goes.
 RING_DISPATCH_END_NS = 12
 RING_RECEIVE_END_NS = 13
 RING_GEMM0_END_NS = 14  # the last GEMM0 tile (GEMM1 tiles of finished experts may already run)
