@@ -17,8 +17,9 @@ Runs (``--runs``, in order; each starts ``vllm.entrypoints.openai.api_server`` o
                               deep_ep: --deepep-wheel)
     flashmoe_dp4_ep_dummy_work  DP4 + EP4, --moe-backend flashmoe with FLASHMOE_SKIP_PADDING=0: the DP dummy steps'
                               experts computed, as vLLM's paths do (the A/B of the padding skip)
-    flashmoe_dp4_ep_fallback  DP4 + EP4, --moe-backend flashmoe with FLASHMOE_BACKEND=fallback: the adapter
-                              declines and vLLM's DeepEP tier serves (deepep_high_throughput, needs deep_ep;
+    flashmoe_dp4_ep_fallback  DP4 + EP4, --moe-backend flashmoe with FLASHMOE_BACKEND=fallback and
+                              FLASHMOE_FALLBACK_ALL2ALL=deepep: the adapter declines and vLLM's DeepEP tier
+                              serves (deepep_high_throughput, needs deep_ep;
                               vLLM 0.26 runs it without CUDA graphs); the run fails unless the server logged
                               the decline line and counted it in flashmoe_fallback_total
 
@@ -127,7 +128,15 @@ RUNS = {  # name: (parallel arguments, --moe-backend or None for vLLM's own)
 }
 DEEPEP_RUNS = ("vllm_dp4_ep_deepep_ll", "flashmoe_dp4_ep_fallback")  # need deep_ep in vLLM's processes
 # Runs whose plugin is told to decline: their server env, and the line the decline must log.
-FORCED_FALLBACK_ENV = {"flashmoe_dp4_ep_fallback": {"FLASHMOE_BACKEND": "fallback", "FLASHMOE_STRICT": "0"}}
+# The forced fallback exercises the DeepEP tier on one host, where the adapter would otherwise keep vLLM's
+# default all-to-all (FLASHMOE_FALLBACK_ALL2ALL=auto takes DeepEP only across nodes).
+FORCED_FALLBACK_ENV = {
+    "flashmoe_dp4_ep_fallback": {
+        "FLASHMOE_BACKEND": "fallback",
+        "FLASHMOE_STRICT": "0",
+        "FLASHMOE_FALLBACK_ALL2ALL": "deepep",
+    }
+}
 RUN_ENV = {**FORCED_FALLBACK_ENV, "flashmoe_dp4_ep_dummy_work": {"FLASHMOE_SKIP_PADDING": "0"}}
 FORCED_FALLBACK_REASON = "FLASHMOE_BACKEND=fallback"
 FORCED_FALLBACK_DECLINE = f"flashmoe: flashmoe declines the MoE layers ({FORCED_FALLBACK_REASON}); using "

@@ -17,6 +17,7 @@ import logging
 import os
 import sys
 import traceback
+import types
 
 
 def _emit(result: dict) -> None:
@@ -141,11 +142,34 @@ def _check_forced_fallback(resolve) -> dict:
         out["forced_fallback_for_schedulers"] = config.sglang_fallback()
         os.environ["FLASHMOE_STRICT"] = "1"
         out["forced_fallback_strict_error"] = _error(lambda: resolve(device="cpu", tp_size=2, attn_dp_size=2))
+        os.environ.pop("FLASHMOE_STRICT")
+        # The DeepEP tier, with a stand-in deep_ep that imports (DeepEP itself needs a GPU): one node keeps
+        # SGLang's default all-to-all, two nodes take deepep, FLASHMOE_FALLBACK_ALL2ALL=deepep takes it anyway.
+        sys.modules["deep_ep"] = types.ModuleType("deep_ep")
+        two_nodes = dict(nnodes=2, node_rank=0, dist_init_addr="127.0.0.1:29517")
+        out["fallback_a2a_one_node"] = resolve(device="cpu", tp_size=2, attn_dp_size=2)["moe_a2a_backend"]
+        out["fallback_a2a_one_node_message"] = messages[-1]
+        out["fallback_a2a_two_nodes"] = _value_or_error(
+            lambda: resolve(device="cpu", tp_size=2, attn_dp_size=2, **two_nodes)["moe_a2a_backend"]
+        )
+        os.environ["FLASHMOE_FALLBACK_ALL2ALL"] = "deepep"
+        out["fallback_a2a_one_node_asked"] = resolve(device="cpu", tp_size=2, attn_dp_size=2)[
+            "moe_a2a_backend"
+        ]
     finally:
         resolution.logger.warning = log_decision
         os.environ.pop("FLASHMOE_STRICT", None)
+        os.environ.pop("FLASHMOE_FALLBACK_ALL2ALL", None)
+        sys.modules.pop("deep_ep", None)
         del os.environ["FLASHMOE_BACKEND"]
     return out
+
+
+def _value_or_error(fn):
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        return f"{type(e).__name__}: {e}"
 
 
 def _check_fp8_config(fp8_model_dir: str, resolve) -> dict:

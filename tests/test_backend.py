@@ -14,6 +14,7 @@ from flashmoe.backend import (
     HOPPER,
     REFERENCE,
     UNQUANTIZED,
+    fallback_uses_deepep,
     forced_fallback_reason,
     megakernel_unsupported_reason_for,
     select_backend,
@@ -194,3 +195,41 @@ def test_hf_quantization_config_reads_dicts_and_objects():
         hf_quantization_config(SimpleNamespace(), SimpleNamespace(quantization_config=QWEN3_FP8)) == QWEN3_FP8
     )
     assert hf_quantization_config(SimpleNamespace(quantization_config=TransformersStyle())) == DEEPSEEK_V3_FP8
+
+
+@pytest.mark.parametrize(
+    "mode, importable, spans_nodes, expected",
+    [
+        ("auto", True, False, (False, "the EP group is on one node")),
+        ("auto", True, True, (True, "the EP group spans nodes")),
+        ("auto", False, True, (False, "deep_ep is not installed")),
+        ("deepep", True, False, (True, "FLASHMOE_FALLBACK_ALL2ALL=deepep")),
+        ("deepep", False, False, (False, "deep_ep is not installed")),
+        ("default", True, True, (False, "FLASHMOE_FALLBACK_ALL2ALL=default")),
+    ],
+)
+def test_fallback_takes_deepep_across_nodes_or_when_asked(
+    monkeypatch, mode, importable, spans_nodes, expected
+):
+    """The engines' fallback all-to-all: DeepEP only where the EP group spans nodes unless told otherwise (on one
+    node vLLM's DeepEP tier served at 0.14x of its default path), and never without deep_ep."""
+    import sys
+    import types
+
+    monkeypatch.setenv("FLASHMOE_FALLBACK_ALL2ALL", mode)
+    if importable:
+        monkeypatch.setitem(sys.modules, "deep_ep", types.ModuleType("deep_ep"))  # a stand-in that imports
+    else:
+        monkeypatch.setitem(sys.modules, "deep_ep", None)  # import raises ImportError
+    deepep, why = fallback_uses_deepep(spans_nodes)
+    assert deepep == expected[0] and why.startswith(expected[1]), why
+
+
+def test_fallback_all2all_is_validated(monkeypatch):
+    from flashmoe import config
+
+    monkeypatch.setenv("FLASHMOE_FALLBACK_ALL2ALL", " DeepEP ")
+    assert config.fallback_all2all() == "deepep"
+    monkeypatch.setenv("FLASHMOE_FALLBACK_ALL2ALL", "nccl")
+    with pytest.raises(ValueError, match="FLASHMOE_FALLBACK_ALL2ALL='nccl'"):
+        fallback_uses_deepep(True)

@@ -57,6 +57,7 @@ def test_deepep_runs_are_declared_with_flags_vllm_026_has():
     assert serve.FORCED_FALLBACK_ENV["flashmoe_dp4_ep_fallback"] == {
         "FLASHMOE_BACKEND": "fallback",
         "FLASHMOE_STRICT": "0",
+        "FLASHMOE_FALLBACK_ALL2ALL": "deepep",  # on one host the adapter would keep vLLM's default
     }
 
 
@@ -165,8 +166,8 @@ def test_forced_fallback_run_is_recognised_from_the_adapters_line_and_counter(
     from vllm.engine.arg_utils import EngineArgs
 
     monkeypatch.setitem(sys.modules, "deep_ep", types.ModuleType("deep_ep"))
-    monkeypatch.setenv("FLASHMOE_BACKEND", "fallback")
-    monkeypatch.delenv("FLASHMOE_STRICT", raising=False)
+    for name, value in serve.FORCED_FALLBACK_ENV["flashmoe_dp4_ep_fallback"].items():  # the run's environment
+        monkeypatch.setenv(name, value)
     model = make_tiny_qwen3_moe(tmp_path / "tiny", seed=0)
     EngineArgs(
         model=str(model), enforce_eager=True, max_model_len=128, moe_backend="flashmoe",

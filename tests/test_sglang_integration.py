@@ -248,6 +248,18 @@ def test_forced_fallback_takes_the_decline_path(config):
     )
 
 
+def test_fallback_takes_deepep_across_nodes_or_when_asked(config):
+    # deep_ep importable (a stand-in): one node keeps SGLang's default all-to-all, with the reason in the line;
+    # --nnodes 2 takes deepep; FLASHMOE_FALLBACK_ALL2ALL=deepep takes it on one node.
+    assert config["fallback_a2a_one_node"] == "none"
+    assert config["fallback_a2a_one_node_message"].endswith(
+        "falling back to SGLang's default MoE path (the EP group is on one node, where the engine's default "
+        "all-to-all is faster than its DeepEP one (FLASHMOE_FALLBACK_ALL2ALL=deepep takes DeepEP anyway))"
+    )
+    assert config["fallback_a2a_two_nodes"] == "deepep"
+    assert config["fallback_a2a_one_node_asked"] == "deepep"
+
+
 def test_incompatible_options_are_refused(config):
     assert "--enable-two-batch-overlap" in config["tbo_error"]
     assert "--attn-dp-size 2" in config["no_dp_attention_error"]

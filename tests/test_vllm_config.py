@@ -145,27 +145,52 @@ def test_forced_fallback_takes_the_decline_path(plugins_loaded, tiny_model, flas
         )
 
 
-def test_forced_fallback_picks_deepep_when_it_imports(plugins_loaded, tiny_model, flashmoe_log, monkeypatch):
-    """The DeepEP tier (what the 4xH200 run exercises): the engine config is rebuilt with vLLM's
-    deepep_high_throughput when deep_ep imports and --all2all-backend was left at its default; an
-    explicit all2all backend is kept."""
+def test_forced_fallback_takes_deepep_across_nodes_or_when_asked(
+    plugins_loaded, tiny_model, flashmoe_log, monkeypatch
+):
+    """The DeepEP tier: with deep_ep importable and --all2all-backend left at its default, one node keeps
+    vLLM's default all-to-all (DeepEP is the slower path there; FLASHMOE_FALLBACK_ALL2ALL=auto), DP ranks on
+    other nodes take deepep_high_throughput, FLASHMOE_FALLBACK_ALL2ALL=deepep takes it on one node (what the
+    GPU serving run exercises) and =default never; an explicit all2all backend is kept."""
     import sys
     import types
 
     monkeypatch.delenv("FLASHMOE_STRICT", raising=False)
+    monkeypatch.delenv("FLASHMOE_FALLBACK_ALL2ALL", raising=False)
     monkeypatch.setenv("FLASHMOE_BACKEND", "fallback")
     monkeypatch.setitem(sys.modules, "deep_ep", types.ModuleType("deep_ep"))  # a stand-in that imports
     dp2 = dict(moe_backend="flashmoe", data_parallel_size=2, enable_expert_parallel=True)
-    cfg = _engine_config(tiny_model, **dp2)
+    deepep = FORCED_LINE + "vLLM's DeepEP path (all2all_backend=deepep_high_throughput, moe_backend=auto)"
+    default = (
+        FORCED_LINE + "vLLM's default MoE path (all2all_backend=allgather_reducescatter, moe_backend=auto)"
+    )
+
+    def decline():
+        return [line for line in flashmoe_log if "declines" in line][-1]
+
+    cfg = _engine_config(tiny_model, **dp2)  # one node
+    assert cfg.parallel_config.all2all_backend == "allgather_reducescatter"
+    assert decline() == default
+    assert "the EP group is on one node" in flashmoe_log[-1]
+    cfg = _engine_config(tiny_model, data_parallel_size_local=1, **dp2)  # the other DP rank on another node
     assert (cfg.kernel_config.moe_backend, cfg.parallel_config.all2all_backend) == (
         "auto",
         "deepep_high_throughput",
     )
-    assert flashmoe_log[-1] == FORCED_LINE + (
-        "vLLM's DeepEP path (all2all_backend=deepep_high_throughput, moe_backend=auto)"
-    )
+    assert decline() == deepep
+    assert flashmoe_log[-1].endswith("deepep_high_throughput (the EP group spans nodes)")
+
+    monkeypatch.setenv("FLASHMOE_FALLBACK_ALL2ALL", "deepep")
+    cfg = _engine_config(tiny_model, **dp2)
+    assert cfg.parallel_config.all2all_backend == "deepep_high_throughput"
+    assert decline() == deepep
     cfg = _engine_config(tiny_model, all2all_backend="deepep_low_latency", **dp2)
     assert cfg.parallel_config.all2all_backend == "deepep_low_latency"
-    assert flashmoe_log[-1] == FORCED_LINE + (
-        "vLLM's default MoE path (all2all_backend=deepep_low_latency, moe_backend=auto)"
+    assert (
+        decline()
+        == FORCED_LINE + "vLLM's default MoE path (all2all_backend=deepep_low_latency, moe_backend=auto)"
     )
+    monkeypatch.setenv("FLASHMOE_FALLBACK_ALL2ALL", "default")
+    cfg = _engine_config(tiny_model, data_parallel_size_local=1, **dp2)
+    assert cfg.parallel_config.all2all_backend == "allgather_reducescatter"
+    assert decline() == default

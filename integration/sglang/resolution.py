@@ -22,7 +22,7 @@ from flashmoe.backend import (
     MEGAKERNEL,
     REFERENCE,
     WeightFormat,
-    deep_ep_importable,
+    fallback_uses_deepep,
     forced_fallback_reason,
     hf_quantization_config,
     select_backend,
@@ -78,7 +78,7 @@ def decide(server_args) -> Resolution:
     _refuse_incompatible_flags(cfg)
     forced = forced_fallback_reason()
     if forced is not None:
-        return _strict_or_fallback(forced, FORCED_FALLBACK_WHAT)
+        return _strict_or_fallback(cfg, forced, FORCED_FALLBACK_WHAT)
     model_config = model_config_of(server_args)
     weights = checkpoint_weight_format(model_config, cfg)
     hf = model_config.hf_text_config
@@ -89,13 +89,13 @@ def decide(server_args) -> Resolution:
         dtype=model_config.dtype,
     )
     if unreadable is not None:
-        return _strict_or_fallback(unreadable, "flashmoe cannot serve this model's experts")
+        return _strict_or_fallback(cfg, unreadable, "flashmoe cannot serve this model's experts")
     spec = layer_spec_from_model(model_config, cfg, weights)
     device = _target_device(cfg.device)
     choice = select_backend(spec, device, cfg.tp_size)  # raises under FLASHMOE_STRICT=1
 
     if choice.name != MEGAKERNEL and device.type == "cuda" and config.backend() != REFERENCE:
-        return _fallback(choice.reason)
+        return _fallback(cfg, choice.reason)
 
     missing = [t for t in RUNTIME_HOOKS if t not in runtime_hooks_applied()]
     if missing:
@@ -195,19 +195,22 @@ def _refuse_unsupported_shared_experts(model_config, cfg) -> None:
     )
 
 
-def _strict_or_fallback(reason: str, what: str) -> Resolution:
+def _strict_or_fallback(cfg, reason: str, what: str) -> Resolution:
     if config.strict():
         raise FlashMoEUnsupported(f"FLASHMOE_STRICT=1 and {what}: {reason}")
-    return _fallback(reason, what)
+    return _fallback(cfg, reason, what)
 
 
-def _fallback(reason: str, what: str = "megakernel unavailable") -> Resolution:
-    if deep_ep_importable():
+def _fallback(cfg, reason: str, what: str = "megakernel unavailable") -> Resolution:
+    """SGLang's own MoE path; DeepEP for its all-to-all where :func:`fallback_uses_deepep` says so (the EP
+    group spans nodes: ``--nnodes`` > 1)."""
+    deepep, why = fallback_uses_deepep(getattr(cfg, "nnodes", 1) > 1)
+    if deepep:
         fields = {"moe_runner_backend": "auto", "moe_a2a_backend": "deepep"}
         target = "SGLang's deepep backend"
     else:
         fields = {"moe_runner_backend": "auto", "moe_a2a_backend": "none"}
-        target = "SGLang's default MoE path (deep_ep is not installed)"
+        target = f"SGLang's default MoE path ({why})"
     return Resolution(fields, f"flashmoe: {what} ({reason}); falling back to {target}", fallback=True)
 
 

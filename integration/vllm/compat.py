@@ -19,6 +19,19 @@ DEFAULT_ALL2ALL_BACKEND = "allgather_reducescatter"
 DEEPEP_ALL2ALL_BACKEND = "deepep_high_throughput"
 
 
+def ep_spans_nodes(parallel) -> bool:
+    """Whether vLLM's EP group (its DP x TP ranks) crosses nodes: TP/PP over several nodes (``nnodes``), DP
+    ranks beyond this node's (``data_parallel_size_local`` below ``data_parallel_size``: multi-node DP, or an
+    external load balancer's one-rank servers, which may share a host), or Ray placing the DP ranks (it can
+    spread them, and the config does not say where)."""
+    if getattr(parallel, "nnodes", 1) > 1:
+        return True
+    if parallel.data_parallel_size <= 1:
+        return False
+    local = getattr(parallel, "data_parallel_size_local", parallel.data_parallel_size)
+    return local < parallel.data_parallel_size or getattr(parallel, "data_parallel_backend", "mp") == "ray"
+
+
 def accept_moe_backend_name() -> None:
     """Make ``flashmoe`` a valid ``moe_backend`` for argparse, ``KernelConfig(...)``, JSON kernel
     configs, ``EngineArgs``/``LLM(...)`` and ``SpeculativeConfig``.

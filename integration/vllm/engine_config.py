@@ -14,9 +14,10 @@ What is decided here:
   unquantized or block-fp8 128x128 with fp32 scales: per-tensor fp8, UE8M0 scales, MXFP4, AWQ, GPTQ,
   ...; :func:`flashmoe.backend.weight_format_for` reads the checkpoint's ``quantization_config``);
 - fallback (megakernel cannot serve this deployment): non-Hopper or non-CUDA accelerator,
-  non-bf16 dtype, shapes outside the kernel's tile limits. The fallback is
-  vLLM's DeepEP (``deepep_high_throughput``) if ``deep_ep`` imports and the user left
-  ``--all2all-backend`` at its default, else vLLM's own default path; ``FLASHMOE_STRICT=1`` makes it
+  non-bf16 dtype, shapes outside the kernel's tile limits. The fallback is vLLM's own MoE path; its
+  all-to-all is DeepEP (``deepep_high_throughput``) where the user left ``--all2all-backend`` at its
+  default, ``deep_ep`` imports and the EP group spans nodes (``FLASHMOE_FALLBACK_ALL2ALL``:
+  :func:`flashmoe.backend.fallback_uses_deepep`), else vLLM's default; ``FLASHMOE_STRICT=1`` makes it
   an error;
 - CPU: the distributed PyTorch reference serves the layers (bf16 or block-fp8), no fallback.
 
@@ -31,7 +32,7 @@ from flashmoe.backend import (
     FORCED_FALLBACK_WHAT,
     REFERENCE,
     WeightFormat,
-    deep_ep_importable,
+    fallback_uses_deepep,
     forced_fallback_reason,
     hf_quantization_config,
     megakernel_unsupported_reason_for,
@@ -153,16 +154,17 @@ def _fall_back(what: str, reason: str, parallel) -> Fallback:
 
     metrics.record_fallback(reason)
     all2all = None
-    if (
-        parallel.enable_expert_parallel
-        and parallel.all2all_backend == compat.DEFAULT_ALL2ALL_BACKEND
-        and deep_ep_importable()
-    ):
+    # The all-to-all is ours to pick only if the user left it at vLLM's default.
+    ours = parallel.enable_expert_parallel and parallel.all2all_backend == compat.DEFAULT_ALL2ALL_BACKEND
+    deepep, why = fallback_uses_deepep(compat.ep_spans_nodes(parallel)) if ours else (False, "")
+    if deepep:
         all2all = compat.DEEPEP_ALL2ALL_BACKEND
         chosen = f"vLLM's DeepEP path (all2all_backend={all2all}, moe_backend=auto)"
     else:
         chosen = f"vLLM's default MoE path (all2all_backend={parallel.all2all_backend}, moe_backend=auto)"
     logger.warning("flashmoe: %s (%s); using %s", what, reason, chosen)
+    if ours:
+        logger.info("flashmoe: the fallback's all-to-all: %s (%s)", all2all or parallel.all2all_backend, why)
     return Fallback(reason, all2all)
 
 

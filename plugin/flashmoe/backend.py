@@ -3,7 +3,7 @@
 Every "can the megakernel run this?" check lives here. ``select_backend`` answers it for one layer on
 one device; :func:`megakernel_unsupported_reason_for` answers it from a model config and a compute
 capability alone, which is what engine adapters call at config time (no CUDA context). Adapters map
-a refusal to their own fallback (vLLM's DeepEP or default path, SGLang's deepep; :func:`deep_ep_importable`),
+a refusal to the engine's own MoE path (its all-to-all DeepEP or the engine's default: :func:`fallback_uses_deepep`),
 log one line with the reason, and honour ``FLASHMOE_STRICT``.
 
 Weight formats: flashmoe computes two, on both backends (the megakernel and the PyTorch reference):
@@ -307,6 +307,31 @@ def deep_ep_importable() -> bool:
     except Exception:  # ImportError, or a broken CUDA extension
         return False
     return True
+
+
+def fallback_uses_deepep(ep_spans_nodes: bool) -> tuple[bool, str]:
+    """Whether an engine's fallback should run its DeepEP all-to-all, and why (for the log line).
+
+    ``FLASHMOE_FALLBACK_ALL2ALL`` = ``deepep`` or ``default`` decides; ``auto`` (the default) takes DeepEP
+    only when the EP group spans nodes. On one node the DeepEP tier is the slower path: vLLM 0.26 runs
+    deepep_high_throughput with DP > 1 without CUDA graphs, and on 2xH200 it served 0.14x of vLLM's default
+    DP2+EP output tokens/s at c = 64, same token ids (benchmarks/results/
+    2026-11-23-h200x2-vllm-serve-dp2-deepep-fallback.json). Across nodes DeepEP is the engines' own EP
+    path; that case is not measured here (no multi-node machines).
+    """
+    mode = config.fallback_all2all()
+    if mode == "default":
+        return False, "FLASHMOE_FALLBACK_ALL2ALL=default"
+    if not deep_ep_importable():
+        return False, "deep_ep is not installed"
+    if mode == "deepep":
+        return True, "FLASHMOE_FALLBACK_ALL2ALL=deepep"
+    if ep_spans_nodes:
+        return True, "the EP group spans nodes"
+    return False, (
+        "the EP group is on one node, where the engine's default all-to-all is faster than its DeepEP one "
+        "(FLASHMOE_FALLBACK_ALL2ALL=deepep takes DeepEP anyway)"
+    )
 
 
 def _module_exists(name: str) -> bool:

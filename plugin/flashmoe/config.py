@@ -38,7 +38,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("FLASHMOE_TP_SLICE", "1", "vLLM TP+EP (tokens replicated over the EP group): 1 = each rank dispatches its 1/W slice of the tokens and the combined slices are all-gathered; 0 = every rank dispatches all of them (for A/B measurement)."),
     EnvVar("FLASHMOE_SKIP_PADDING", "1", "vLLM with DP: 1 = a rank's dummy steps (slot mapping -1) send no tokens to the experts (padding_marker); 0 = they are computed like real tokens, as vLLM's own paths do (for A/B measurement)."),
     EnvVar("FLASHMOE_STRICT", "0", "1 turns any fallback away from the megakernel into an error."),
-    EnvVar("FLASHMOE_BACKEND", "auto", "auto | megakernel | reference | fallback: force the implementation behind the op. fallback: the vLLM and SGLang adapters decline flashmoe at start-up and serve with the engine's own MoE path (DeepEP if deep_ep imports, else the default), with the same log line and fallback metric as a real decline (FLASHMOE_STRICT=1: an error); for A/B runs against flashmoe."),
+    EnvVar("FLASHMOE_BACKEND", "auto", "auto | megakernel | reference | fallback: force the implementation behind the op. fallback: the vLLM and SGLang adapters decline flashmoe at start-up and serve with the engine's own MoE path (its all-to-all as FLASHMOE_FALLBACK_ALL2ALL says), with the same log line and fallback metric as a real decline (FLASHMOE_STRICT=1: an error); for A/B runs against flashmoe."),
+    EnvVar("FLASHMOE_FALLBACK_ALL2ALL", "auto", "auto | deepep | default: the all-to-all behind the engines' fallback (a layer flashmoe declines). auto = DeepEP (vLLM deepep_high_throughput, SGLang deepep) when deep_ep imports and the EP group spans nodes, else the engine's default (on one node vLLM's DeepEP tier served DP2+EP at 0.14x of its default path: no CUDA graphs with DP > 1); deepep = DeepEP whenever deep_ep imports; default = never DeepEP."),
     EnvVar("FLASHMOE_METRICS", "1", "0 turns off the Prometheus export and the kernel's metrics records (read once per process)."),
     EnvVar("FLASHMOE_METRICS_PORT", "0", "If set, each rank serves its own Prometheus exporter on PORT + local rank."),
     EnvVar("FLASHMOE_METRICS_ADDR", "0.0.0.0", "Address the per-rank exporter (FLASHMOE_METRICS_PORT) binds."),
@@ -122,6 +123,19 @@ def backend() -> str:
 
 def strict() -> bool:
     return env_flag("FLASHMOE_STRICT")
+
+
+FALLBACK_ALL2ALL = ("auto", "deepep", "default")
+
+
+def fallback_all2all() -> str:
+    """FLASHMOE_FALLBACK_ALL2ALL, one of :data:`FALLBACK_ALL2ALL`."""
+    value = env("FLASHMOE_FALLBACK_ALL2ALL").strip().lower()
+    if value not in FALLBACK_ALL2ALL:
+        raise ValueError(
+            f"FLASHMOE_FALLBACK_ALL2ALL={value!r}: expected one of {', '.join(FALLBACK_ALL2ALL)}"
+        )
+    return value
 
 
 def max_tokens_per_rank(reported: int) -> int:
