@@ -28,7 +28,9 @@ into ``--site`` once; ``NVSHMEM``'s host library is put on the servers' ``LD_LIB
 points at a build-time path), and the runs that need deep_ep fail with the import error if it does not load.
 
 Models (``--model``, :data:`MODELS`): ``qwen3-30b-a3b`` (``flashmoe.demo.tiny_model.make_qwen3_30b_a3b_shaped``,
-every layer sparse) and ``deepseek-v2-lite`` (``flashmoe.demo.deepseek_model.make_deepseek_v2_lite_shaped``:
+every layer sparse), ``qwen3-30b-a3b-fp8`` (the same values stored as Qwen3-30B-A3B-FP8 stores them:
+``make_qwen3_30b_a3b_fp8_shaped``; flashmoe runs then serve block-fp8 experts, vLLM's runs its fp8 MoE path)
+and ``deepseek-v2-lite`` (``flashmoe.demo.deepseek_model.make_deepseek_v2_lite_shaped``:
 MLA, 2 shared + 64 routed experts top-6, one dense layer first; attention through vLLM's ``TRITON_MLA``
 unless ``--attention-backend`` says otherwise). Every run loads the same seeded random checkpoint (real
 shapes, N(0, 0.02) weights) with a word-level tokenizer over the model's
@@ -78,7 +80,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "plugin"))
 from flashmoe.demo import VLLMServer  # noqa: E402
 from flashmoe.demo.deepseek_model import make_deepseek_v2_lite_shaped  # noqa: E402
-from flashmoe.demo.tiny_model import make_qwen3_30b_a3b_shaped  # noqa: E402
+from flashmoe.demo.tiny_model import make_qwen3_30b_a3b_fp8_shaped, make_qwen3_30b_a3b_shaped  # noqa: E402
 from moe_bench import step_profile  # noqa: E402
 
 
@@ -94,6 +96,11 @@ MODELS = {
     "qwen3-30b-a3b": ModelChoice(
         make_qwen3_30b_a3b_shaped, 48, 151936, "TRITON_ATTN",
         "Qwen3-30B-A3B architecture, random N(0, 0.02) weights (flashmoe.demo.tiny_model), bf16",
+    ),
+    "qwen3-30b-a3b-fp8": ModelChoice(
+        make_qwen3_30b_a3b_fp8_shaped, 48, 151936, "TRITON_ATTN",
+        "Qwen3-30B-A3B architecture stored as Qwen3-30B-A3B-FP8 (block-128 e4m3 attention and experts, fp32 "
+        "scale_inv; router gates and LM head bf16), the same seeded values as qwen3-30b-a3b",
     ),
     "deepseek-v2-lite": ModelChoice(
         make_deepseek_v2_lite_shaped, 27, 102400, "TRITON_MLA",

@@ -168,6 +168,18 @@ def write_sharded_checkpoint(path: Path, shards: list, config: dict, marker: dic
     return path
 
 
+def make_qwen3_30b_a3b_fp8_shaped(
+    path: str | Path, num_layers: int = 48, seed: int = 0, device: str = "cuda"
+) -> Path:
+    """:func:`make_qwen3_30b_a3b_shaped`'s model (the same seeded bf16 values) stored as Qwen3-30B-A3B-FP8
+    stores its linears: e4m3 weights with one fp32 ``weight_scale_inv`` per 128x128 block for the attention
+    projections and every expert, ``quantization_config`` {fp8, e4m3, dynamic activations, block [128, 128]}
+    (~31 GB at 48 layers). The router gates and the LM head stay bf16 and are listed in
+    ``modules_to_not_convert`` (the gates feed the routing both engines' paths share; keeping them exact keeps
+    the comparison about the experts); embeddings and norms are bf16 as in the real checkpoint."""
+    return _qwen3_30b_a3b_checkpoint(path, num_layers, seed, device, fp8=True)
+
+
 def make_qwen3_30b_a3b_shaped(
     path: str | Path, num_layers: int = 48, seed: int = 0, device: str = "cuda"
 ) -> Path:
@@ -179,6 +191,20 @@ def make_qwen3_30b_a3b_shaped(
     ``--load-format dummy`` (uniform +-1e-3 everywhere, which leaves the MoE output below bf16
     resolution of the residual stream) every layer moves the logits, so comparing greedy tokens across
     MoE backends means something. Idempotent, like :func:`make_tiny_qwen3_moe`."""
+    return _qwen3_30b_a3b_checkpoint(path, num_layers, seed, device, fp8=False)
+
+
+# Linears a block-fp8 Qwen3-MoE checkpoint stores in e4m3 (the router gate, embeddings, norms and LM head stay bf16).
+_FP8_LINEARS = (
+    "self_attn.q_proj.",
+    "self_attn.k_proj.",
+    "self_attn.v_proj.",
+    "self_attn.o_proj.",
+    "mlp.experts.",
+)
+
+
+def _qwen3_30b_a3b_checkpoint(path: str | Path, num_layers: int, seed: int, device: str, fp8: bool) -> Path:
     c = {**QWEN3_30B_A3B, "num_hidden_layers": num_layers}
     H, I, V, E = c["hidden_size"], c["moe_intermediate_size"], c["vocab_size"], c["num_experts"]
     q_out, kv_out = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
@@ -201,7 +227,20 @@ def make_qwen3_30b_a3b_shaped(
             tensors[q + "gate_proj.weight"] = w.normal(q + "gate_proj", I, H)
             tensors[q + "up_proj.weight"] = w.normal(q + "up_proj", I, H)
             tensors[q + "down_proj.weight"] = w.normal(q + "down_proj", H, I)
-        return tensors
+        return quantized(tensors) if fp8 else tensors
+
+    def quantized(tensors: dict) -> dict:  # blocks quantised where the values were drawn (the GPU: fast)
+        from flashmoe.fp8 import quantize_weight_blocks
+
+        out = {}
+        for name, t in tensors.items():
+            if any(m in name for m in _FP8_LINEARS) and name.endswith(".weight"):
+                q, scale_inv = quantize_weight_blocks(t.to(device), FP8_BLOCK[0])
+                out[name] = q.cpu()
+                out[name.removesuffix("weight") + "weight_scale_inv"] = scale_inv.cpu()
+            else:
+                out[name] = t
+        return out
 
     def head() -> dict:  # the last shard: embeddings, final norm, LM head
         return {
@@ -237,6 +276,15 @@ def make_qwen3_30b_a3b_shaped(
         "num_layers": num_layers,
         "shapes": "qwen3-30b-a3b",
     }
+    if fp8:
+        config["quantization_config"] = {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": FP8_BLOCK,
+            "modules_to_not_convert": [f"model.layers.{i}.mlp.gate" for i in range(num_layers)] + ["lm_head"],
+        }
+        marker["linears"] = "fp8_block_128"
     shards = [functools.partial(layer, i) for i in range(num_layers)] + [head]
     return write_sharded_checkpoint(Path(path), shards, config, marker)
 
