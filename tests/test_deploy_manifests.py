@@ -301,6 +301,28 @@ def test_image_builds_the_library_pods_look_up():
     assert dockerfile_env()["FLASHMOE_CACHE_DIR"] == "/opt/flashmoe/cache"
 
 
+def test_every_file_the_image_copies_is_in_its_build_context():
+    """The dockerignore excludes everything, then lets through what the image installs: a COPY of a file it does
+    not let through fails the image build (e.g. scripts/build-deepep.sh for the DeepEP stage)."""
+    import fnmatch
+
+    text = (ROOT / "deploy" / "docker" / "Dockerfile").read_text()
+    ignore = (ROOT / "deploy" / "docker" / "Dockerfile.dockerignore").read_text().splitlines()
+    allowed = [line[1:] for line in ignore if line.startswith("!")]
+    sources = [src for line in text.splitlines() if line.startswith("COPY ") for src in line.split()[1:-1]]
+    assert "scripts/build-deepep.sh" in sources and "csrc" in sources
+    for src in sources:
+        ok = any(fnmatch.fnmatch(src, pat) or fnmatch.fnmatch(src + "/x", pat) for pat in allowed)
+        assert ok and (ROOT / src).exists(), f"COPY {src}: not in the build context ({allowed})"
+    # The DeepEP stage installs the wheel the pinned build script makes, unless WITH_DEEPEP=0.
+    stage = text.replace("\\\n", " ")
+    assert (
+        "ARG WITH_DEEPEP=1" in text
+        and "bash scripts/build-deepep.sh" in stage
+        and "/tmp/deepep/deep_ep-*.whl" in stage
+    )
+
+
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_baked_kernel_cache_is_where_pods_look_and_not_hidden(rendered, overlay):
     cache = Path(dockerfile_env()["FLASHMOE_CACHE_DIR"])
