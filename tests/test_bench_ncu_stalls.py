@@ -111,3 +111,33 @@ def test_cli_filters_functions_and_writes_json(tmp_path):
     ).stdout
     assert "consumer" in out and "moe_layer_kernel" not in out
     assert list(json.loads((tmp_path / "r.json").read_text())["functions"]) == ["consumer(args)"]
+
+
+def test_compare_reports_what_moved_between_two_builds(tmp_path):
+    after = [list(r) for r in CONSUMER]
+    after[1][1:] = [10, 1600, 0, 10, 0]  # the K loop's stage wait: 40 -> 10 samples
+    after[3][1:] = [35, 100, 0, 0, 35]  # the epilogue's fetch: 30 -> 35
+    _write_csv(tmp_path / "a.csv", {"consumer(args)": CONSUMER, "moe_layer_kernel<1>(Params)": KERNEL})
+    _write_csv(tmp_path / "b.csv", {"consumer(args)": [tuple(r) for r in after]})
+    (tmp_path / "d.sass").write_text(SASS)
+    cmp = ncu_stalls.compare(
+        ncu_stalls.report(tmp_path / "a.csv", tmp_path / "d.sass", top=1 << 30),
+        ncu_stalls.report(tmp_path / "b.csv", tmp_path / "d.sass", top=1 << 30),
+    )
+    assert cmp["samples"] == [155, 59] and list(cmp["functions"]) == ["consumer(args)"]  # in both only
+    f = cmp["functions"]["consumer(args)"]
+    assert (
+        f["samples"] == [84, 59]
+        and f["by_reason"]["long_sb"] == [40, 10]
+        and f["by_reason"]["no_inst"] == [39, 44]
+    )
+    assert f["lines_changed"] == [
+        {"line": "gemm.cuh:188", "samples": [40, 10], "delta": -30},
+        {"line": "gemm.cuh:461", "samples": [30, 35], "delta": 5},
+    ]
+    out = subprocess.run(
+        [sys.executable, str(TOOL), str(tmp_path / "a.csv"), "--sass", str(tmp_path / "d.sass"),
+         "--against", str(tmp_path / "b.csv"), "--against-sass", str(tmp_path / "d.sass")],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    assert "consumer(args): 84 -> 59 samples" in out and "gemm.cuh:188" in out

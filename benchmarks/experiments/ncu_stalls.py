@@ -11,6 +11,8 @@ On the GPU machine (the device build's SASS must be the one profiled: its NVSHME
 Then, anywhere:
 
     python benchmarks/experiments/ncu_stalls.py prof-sass.csv --sass device.sass [--function mma_fp8] [--json F]
+    python benchmarks/experiments/ncu_stalls.py main-sass.csv --sass main.sass \\
+        --against branch-sass.csv --against-sass branch.sass     # what moved between two builds
 
 The CSV holds one table per device function ("Kernel Name" row, then a header row, then one row per SASS
 instruction with its warp-stall samples in total and per reason). Samples are taken per SM sub-partition at a
@@ -156,7 +158,8 @@ def summarize(rows: list[dict], lines: list[str | None] | None, top: int = 12) -
     }
 
 
-def report(csv_path: Path, sass_path: Path | None, only: str | None = None) -> dict:
+def report(csv_path: Path, sass_path: Path | None, only: str | None = None, top: int = 12) -> dict:
+    """Every sampled function of an export, summarised (:func:`summarize`, ``top`` rows per table)."""
     functions = load_functions(csv_path)
     sass = sass_line_info(sass_path) if sass_path else {}
     grand = sum(number(r[SAMPLES]) for rows in functions.values() for r in rows)
@@ -167,7 +170,7 @@ def report(csv_path: Path, sass_path: Path | None, only: str | None = None) -> d
         if not rows or not sum(number(r[SAMPLES]) for r in rows):
             continue
         lines = match_sass(rows, sass) if sass else None
-        s = summarize(rows, lines)
+        s = summarize(rows, lines, top)
         s["share"] = round(s["samples"] / grand, 4) if grand else 0.0
         s["lines_matched"] = lines is not None
         out["functions"][name] = s
@@ -192,6 +195,42 @@ def print_report(rep: dict) -> None:
             print(f"     {c['line']:32s} ran {c['executed']:8d}x {c['samples']:5d} samples ({top})")
 
 
+def compare(a: dict, b: dict, top: int = 10) -> dict:
+    """Two reports of the same kernel (e.g. main and a branch, one launch each): per function, the samples and
+    their reasons in each and the difference; per CUDA line, the lines whose samples changed most. Lines are
+    matched by file:line, so a line-shifting edit in a file makes its lines incomparable (functions still are)."""
+    out = {"samples": [a["samples"], b["samples"]], "functions": {}}
+    for name in [n for n in a["functions"] if n in b["functions"]]:
+        fa, fb = a["functions"][name], b["functions"][name]
+        reasons = sorted(set(fa["by_reason"]) | set(fb["by_reason"]))
+        lines_a = {c["line"]: c["samples"] for c in fa["by_line"]}
+        lines_b = {c["line"]: c["samples"] for c in fb["by_line"]}
+        deltas = {ln: lines_b.get(ln, 0) - lines_a.get(ln, 0) for ln in set(lines_a) | set(lines_b)}
+        out["functions"][name] = {
+            "samples": [fa["samples"], fb["samples"]],
+            "samples_without_barrier": [fa["samples_without_barrier"], fb["samples_without_barrier"]],
+            "by_reason": {r: [fa["by_reason"].get(r, 0), fb["by_reason"].get(r, 0)] for r in reasons},
+            "lines_changed": [
+                {"line": ln, "samples": [lines_a.get(ln, 0), lines_b.get(ln, 0)], "delta": d}
+                for ln, d in sorted(deltas.items(), key=lambda kv: (-abs(kv[1]), kv[0]))[:top]
+                if d
+            ],
+        }
+    return out
+
+
+def print_compare(cmp: dict) -> None:
+    print(f"samples: {cmp['samples'][0]} -> {cmp['samples'][1]}")
+    for name, f in cmp["functions"].items():
+        short = re.sub(r"\(const .*|\(flashmoe::Params\)", "", name)
+        (a, b), (na, nb) = f["samples"], f["samples_without_barrier"]
+        print(f"\n{short}: {a} -> {b} samples ({na} -> {nb} not at a barrier)")
+        moved = sorted(f["by_reason"].items(), key=lambda kv: -abs(kv[1][1] - kv[1][0]))[:4]
+        print("   reasons: " + ", ".join(f"{r} {x} -> {y}" for r, (x, y) in moved if x != y))
+        for c in f["lines_changed"][:6]:
+            print(f"     {c['line']:32s} {c['samples'][0]:5d} -> {c['samples'][1]:5d}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("csv", type=Path, help="ncu -i REP --page source --csv --print-source sass")
@@ -199,10 +238,24 @@ def main() -> None:
         "--sass", type=Path, default=None, help="nvdisasm --print-line-info of the profiled build"
     )
     ap.add_argument("--function", default=None, help="only functions whose name contains this")
+    ap.add_argument(
+        "--against", type=Path, default=None, help="a second export (e.g. a branch's): compare the two"
+    )
+    ap.add_argument(
+        "--against-sass", type=Path, default=None, help="nvdisasm line info of the --against build"
+    )
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     rep = report(args.csv, args.sass, args.function)
-    print_report(rep)
+    if args.against is not None:  # every line of both, so a line outside one side's top rows still compares
+        every = 1 << 30
+        rep = compare(
+            report(args.csv, args.sass, args.function, every),
+            report(args.against, args.against_sass, args.function, every),
+        )
+        print_compare(rep)
+    else:
+        print_report(rep)
     if args.json:
         args.json.write_text(json.dumps(rep, indent=1) + "\n")
 
