@@ -177,10 +177,15 @@ def report(csv_path: Path, sass_path: Path | None, only: str | None = None, top:
     return out
 
 
+def short_name(function: str) -> str:
+    """A device function's name without its parameter list (ncu prints the whole signature)."""
+    return re.sub(r"\(const .*|\(flashmoe::Params\)", "", function)
+
+
 def print_report(rep: dict) -> None:
     print(f"{rep['csv']}: {rep['samples']} samples")
     for name, s in rep["functions"].items():
-        short = re.sub(r"\(const .*|\(flashmoe::Params\)", "", name)
+        short = short_name(name)
         print(
             f"\n{s['share'] * 100:5.1f}%  {short}  ({s['samples']} samples, {s['samples_without_barrier']} not at a barrier)"
         )
@@ -222,7 +227,7 @@ def compare(a: dict, b: dict, top: int = 10) -> dict:
 def print_compare(cmp: dict) -> None:
     print(f"samples: {cmp['samples'][0]} -> {cmp['samples'][1]}")
     for name, f in cmp["functions"].items():
-        short = re.sub(r"\(const .*|\(flashmoe::Params\)", "", name)
+        short = short_name(name)
         (a, b), (na, nb) = f["samples"], f["samples_without_barrier"]
         print(f"\n{short}: {a} -> {b} samples ({na} -> {nb} not at a barrier)")
         moved = sorted(f["by_reason"].items(), key=lambda kv: -abs(kv[1][1] - kv[1][0]))[:4]
@@ -246,7 +251,6 @@ def main() -> None:
     )
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
-    rep = report(args.csv, args.sass, args.function)
     if args.against is not None:  # every line of both, so a line outside one side's top rows still compares
         every = 1 << 30
         rep = compare(
@@ -255,6 +259,7 @@ def main() -> None:
         )
         print_compare(rep)
     else:
+        rep = report(args.csv, args.sass, args.function)
         print_report(rep)
     if args.json:
         args.json.write_text(json.dumps(rep, indent=1) + "\n")

@@ -168,6 +168,35 @@ def write_sharded_checkpoint(path: Path, shards: list, config: dict, marker: dic
     return path
 
 
+def _block_fp8_tensors(tensors: dict, is_fp8_linear, device: str | None = None) -> dict:
+    """``tensors`` with every ``*.weight`` that ``is_fp8_linear(name)`` accepts stored as checkpoints store block-fp8
+    linears: e4m3 values plus ``*.weight_scale_inv`` (fp32, one per 128x128 block); the rest as given.
+    ``device``: where to quantise (the tensors come back on the CPU)."""
+    from flashmoe.fp8 import quantize_weight_blocks
+
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith(".weight") and is_fp8_linear(name):
+            q, scale_inv = quantize_weight_blocks(t if device is None else t.to(device), FP8_BLOCK[0])
+            out[name] = q.cpu()
+            out[name.removesuffix("weight") + "weight_scale_inv"] = scale_inv.cpu()
+        else:
+            out[name] = t
+    return out
+
+
+def _block_fp8_quantization_config(kept_bf16: list[str]) -> dict:
+    """The ``quantization_config`` of a block-fp8 checkpoint (DeepSeek-V3, Qwen3-*-FP8), ``kept_bf16`` modules
+    listed as not converted."""
+    return {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": FP8_BLOCK,
+        "modules_to_not_convert": kept_bf16,
+    }
+
+
 def make_qwen3_30b_a3b_fp8_shaped(
     path: str | Path, num_layers: int = 48, seed: int = 0, device: str = "cuda"
 ) -> Path:
@@ -227,20 +256,9 @@ def _qwen3_30b_a3b_checkpoint(path: str | Path, num_layers: int, seed: int, devi
             tensors[q + "gate_proj.weight"] = w.normal(q + "gate_proj", I, H)
             tensors[q + "up_proj.weight"] = w.normal(q + "up_proj", I, H)
             tensors[q + "down_proj.weight"] = w.normal(q + "down_proj", H, I)
-        return quantized(tensors) if fp8 else tensors
-
-    def quantized(tensors: dict) -> dict:  # blocks quantised where the values were drawn (the GPU: fast)
-        from flashmoe.fp8 import quantize_weight_blocks
-
-        out = {}
-        for name, t in tensors.items():
-            if any(m in name for m in _FP8_LINEARS) and name.endswith(".weight"):
-                q, scale_inv = quantize_weight_blocks(t.to(device), FP8_BLOCK[0])
-                out[name] = q.cpu()
-                out[name.removesuffix("weight") + "weight_scale_inv"] = scale_inv.cpu()
-            else:
-                out[name] = t
-        return out
+        if not fp8:
+            return tensors
+        return _block_fp8_tensors(tensors, lambda name: any(m in name for m in _FP8_LINEARS), device)
 
     def head() -> dict:  # the last shard: embeddings, final norm, LM head
         return {
@@ -277,13 +295,9 @@ def _qwen3_30b_a3b_checkpoint(path: str | Path, num_layers: int, seed: int, devi
         "shapes": "qwen3-30b-a3b",
     }
     if fp8:
-        config["quantization_config"] = {
-            "quant_method": "fp8",
-            "fmt": "e4m3",
-            "activation_scheme": "dynamic",
-            "weight_block_size": FP8_BLOCK,
-            "modules_to_not_convert": [f"model.layers.{i}.mlp.gate" for i in range(num_layers)] + ["lm_head"],
-        }
+        config["quantization_config"] = _block_fp8_quantization_config(
+            [f"model.layers.{i}.mlp.gate" for i in range(num_layers)] + ["lm_head"]
+        )
         marker["linears"] = "fp8_block_128"
     shards = [functools.partial(layer, i) for i in range(num_layers)] + [head]
     return write_sharded_checkpoint(Path(path), shards, config, marker)
@@ -326,8 +340,6 @@ def make_tiny_qwen3_moe_fp8(path: str | Path, seed: int = 0) -> Path:
     from safetensors.torch import load_file, save_file
     from transformers import Qwen3MoeForCausalLM
 
-    from flashmoe.fp8 import quantize_weight_blocks
-
     path = Path(path)
     marker = path / "flashmoe_tiny_model.json"
     want = {"seed": seed, "architecture": "Qwen3MoeForCausalLM", "experts": "fp8_block_128"}
@@ -341,14 +353,9 @@ def make_tiny_qwen3_moe_fp8(path: str | Path, seed: int = 0) -> Path:
     make_tokenizer().save_pretrained(path)
 
     weights_file = path / "model.safetensors"
-    tensors = {}
-    for name, t in load_file(weights_file).items():
-        if ".mlp.experts." in name and name.endswith(".weight"):  # gate_proj, up_proj, down_proj
-            q, scale_inv = quantize_weight_blocks(t, FP8_BLOCK[0])
-            tensors[name] = q
-            tensors[name.removesuffix("weight") + "weight_scale_inv"] = scale_inv
-        else:
-            tensors[name] = t
+    tensors = _block_fp8_tensors(
+        load_file(weights_file), lambda name: ".mlp.experts." in name
+    )  # gate/up/down
     save_file(tensors, str(weights_file), metadata={"format": "pt"})
 
     config = json.loads((path / "config.json").read_text())
@@ -357,13 +364,7 @@ def make_tiny_qwen3_moe_fp8(path: str | Path, seed: int = 0) -> Path:
         for i in range(cfg.num_hidden_layers)
         for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate")
     ] + ["lm_head"]
-    config["quantization_config"] = {
-        "quant_method": "fp8",
-        "fmt": "e4m3",
-        "activation_scheme": "dynamic",
-        "weight_block_size": FP8_BLOCK,
-        "modules_to_not_convert": kept_bf16,
-    }
+    config["quantization_config"] = _block_fp8_quantization_config(kept_bf16)
     (path / "config.json").write_text(json.dumps(config, indent=1))
     marker.write_text(json.dumps(want))
     return path
