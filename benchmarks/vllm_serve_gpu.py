@@ -90,6 +90,10 @@ class ModelChoice(NamedTuple):
     vocab: int
     attention_backend: str  # FA2 is not in the GPU machines' bundle: Triton kernels
     description: str
+    # Modules vLLM imports for this checkpoint that the gpu-wheelhouse bundle lacks (pass them with --wheel):
+    # vLLM 0.26 resolves any quantization_config through compressed_tensors (compressed-tensors==0.17.0,
+    # which needs loguru), a dependency the bundle leaves out.
+    needs: tuple[str, ...] = ()
 
 
 MODELS = {
@@ -101,6 +105,7 @@ MODELS = {
         make_qwen3_30b_a3b_fp8_shaped, 48, 151936, "TRITON_ATTN",
         "Qwen3-30B-A3B architecture stored as Qwen3-30B-A3B-FP8 (block-128 e4m3 attention and experts, fp32 "
         "scale_inv; router gates and LM head bf16), the same seeded values as qwen3-30b-a3b",
+        ("compressed_tensors",),
     ),
     "deepseek-v2-lite": ModelChoice(
         make_deepseek_v2_lite_shaped, 27, 102400, "TRITON_MLA",
@@ -207,6 +212,36 @@ def nvshmem_lib_dir() -> str | None:
     return None
 
 
+def unzip_wheel(wheel: Path, site: Path) -> bool:
+    """Lay ``wheel`` out in ``site`` as ``pip install --no-deps --target`` would (no network or index),
+    unless its dist-info is already there; another version's dist-info is removed first, so it cannot
+    shadow this one. True if it unzipped."""
+    import shutil
+    import zipfile
+
+    with zipfile.ZipFile(wheel) as zf:
+        dist_info = {n.split("/")[0] for n in zf.namelist() if n.split("/")[0].endswith(".dist-info")}
+        if all((site / d).is_dir() for d in dist_info):
+            return False
+        for d in dist_info:
+            for old in site.glob(d.split("-")[0] + "-*.dist-info"):
+                shutil.rmtree(old)
+        zf.extractall(site)
+    print(f"unzipped {wheel.name} into {site}", flush=True)
+    return True
+
+
+def missing_modules(names: tuple[str, ...]) -> list[str]:
+    """Those of ``names`` that do not import here (after ``ensure_vllm`` put the bundle on the path)."""
+    missing = []
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except ImportError as e:
+            missing.append(f"{name} ({e})")
+    return missing
+
+
 def ensure_deep_ep(wheel: Path | None, site: Path, timeout: float = 300.0) -> str | None:
     """Make deep_ep importable in the vLLM servers started from here; None if it is, else why not.
 
@@ -215,23 +250,12 @@ def ensure_deep_ep(wheel: Path | None, site: Path, timeout: float = 300.0) -> st
     its RUNPATH does not find outside the build machine: NVSHMEM's lib folder goes on ``LD_LIBRARY_PATH``
     (this process's environment, which the servers inherit). The check imports deep_ep in a child
     process with that environment, as vLLM's API server and workers will."""
-    import shutil
-    import zipfile
-
     if wheel is not None:
         if not wheel.is_file():
             return (
                 f"--deepep-wheel {wheel}: no such file (scripts/build-deepep.sh makes it in .carry/deepep/)"
             )
-        with zipfile.ZipFile(wheel) as zf:
-            dist_info = {n.split("/")[0] for n in zf.namelist() if n.split("/")[0].endswith(".dist-info")}
-            if not all((site / d).is_dir() for d in dist_info):
-                for old in site.glob(
-                    "deep_ep-*.dist-info"
-                ):  # another version's metadata would shadow this one
-                    shutil.rmtree(old)
-                zf.extractall(site)
-                print(f"deep_ep: unzipped {wheel.name} into {site}", flush=True)
+        unzip_wheel(wheel, site)
     lib = nvshmem_lib_dir()
     if lib and lib not in os.environ.get("LD_LIBRARY_PATH", "").split(os.pathsep):
         os.environ["LD_LIBRARY_PATH"] = os.pathsep.join(
@@ -727,6 +751,13 @@ def main() -> int:
     ap.add_argument("--bundle", type=Path, default=Path("/tmp/wh"))
     ap.add_argument("--site", type=Path, default=Path("/tmp/site"))
     ap.add_argument("--deepep-wheel", type=Path, default=None, help="deep_ep wheel to install into --site")
+    ap.add_argument(
+        "--wheel",
+        type=Path,
+        action="append",
+        default=[],
+        help="a pure-Python wheel to unzip into --site (repeat): what the bundle lacks, see MODELS' needs",
+    )
     ap.add_argument("--model", choices=list(MODELS), default="qwen3-30b-a3b")
     ap.add_argument("--model-dir", type=Path, default=None, help="default /tmp/<model>-random")
     ap.add_argument("--num-layers", type=int, default=None, help="default: the model's")
@@ -794,6 +825,15 @@ def main() -> int:
     t_start = time.monotonic()
 
     ensure_vllm(args.bundle, args.site)
+    for wheel in args.wheel:
+        if not wheel.is_file():
+            sys.exit(f"--wheel {wheel}: no such file")
+        unzip_wheel(wheel, args.site)
+    if missing := missing_modules(choice.needs):
+        sys.exit(
+            f"--model {args.model} needs {', '.join(missing)}: not in the vLLM bundle; pass its wheels with "
+            "--wheel (pip download --no-deps compressed-tensors==0.17.0 loguru)"
+        )
     args.deep_ep_missing = None
     if args.deepep_wheel or any(r in DEEPEP_RUNS for r in args.runs.split(",")):
         args.deep_ep_missing = ensure_deep_ep(args.deepep_wheel, args.site)

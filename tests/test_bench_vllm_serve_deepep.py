@@ -198,3 +198,22 @@ def test_forced_fallback_run_is_recognised_from_the_adapters_line_and_counter(
         "no MoE layer reported the megakernel"
     )
     assert "error" not in serve.served_path("vllm_dp4_ep_deepep_ll", None, "", [])
+
+
+def test_wheel_flag_fills_what_the_bundle_lacks(tmp_path, monkeypatch, capsys):
+    """--wheel unzips a pure-Python wheel once; a model's needs are checked by importing them, so a
+    quantized checkpoint fails before any server starts when compressed_tensors is missing."""
+    site = tmp_path / "site"
+    site.mkdir()
+    name = "fm_needed_mod_for_test"
+    monkeypatch.setattr(sys, "path", [str(site), *sys.path])
+    assert serve.missing_modules((name,)) and serve.missing_modules((name,))[0].startswith(name)
+    wheel = tmp_path / f"{name}-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        zf.writestr(f"{name}/__init__.py", "")
+        zf.writestr(f"{name}-1.0.dist-info/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+    assert serve.unzip_wheel(wheel, site) is True
+    assert serve.unzip_wheel(wheel, site) is False  # already there
+    assert serve.missing_modules((name,)) == []
+    assert "compressed_tensors" in serve.MODELS["qwen3-30b-a3b-fp8"].needs
+    assert serve.MODELS["qwen3-30b-a3b"].needs == ()
