@@ -13,6 +13,8 @@ Runs (``--runs``, in order; each starts ``vllm.entrypoints.openai.api_server`` o
     vllm_dp4_ep       DP4 + EP4, vLLM's default MoE path (moe_backend auto, its default all2all backend)
     vllm_tp4_ep       TP4 + EP4, vLLM's default MoE path
     vllm_tp4          TP4 without EP (experts tensor-parallel), vLLM's default MoE path
+    vllm_dp4_ep_triton  DP4 + EP4, --moe-backend triton: vLLM's Triton fused-MoE (needs no JIT build; for
+                      block-fp8 experts under EP, vLLM 0.26's default on Hopper is FlashInfer CUTLASS instead)
     vllm_dp4_ep_deepep_ll     DP4 + EP4, vLLM's default MoE with --all2all-backend deepep_low_latency (needs
                               deep_ep: --deepep-wheel)
     flashmoe_dp4_ep_dummy_work  DP4 + EP4, --moe-backend flashmoe with FLASHMOE_SKIP_PADDING=0: the DP dummy steps'
@@ -53,7 +55,17 @@ kernels). The traces go to a temporary folder, never ``--out``, and are deleted 
 (``--keep-traces DIR`` moves them there instead).
 
 ``--bundle``: the folder of ``vllm-bundle.part-*`` files made by the gpu-wheelhouse tool (vLLM 0.26.0
-for the machines' torch 2.11, no network there); unpacked once into ``--site``.
+for the machines' torch 2.11, no network there); unpacked once into ``--site``. ``--wheel``: pure-Python
+wheels the bundle lacks, unzipped there too; ``qwen3-30b-a3b-fp8`` needs compressed-tensors 0.17.0 and loguru
+(vLLM 0.26 imports compressed_tensors for any ``quantization_config``; ``MODELS``' ``needs`` are checked
+before a server starts).
+
+``--prebuild-flashinfer-moe SECONDS``: vLLM's default block-fp8 EP path on Hopper (``vllm_dp4_ep`` on the fp8
+checkpoint) loads FlashInfer's CUTLASS fused-MoE module, which the bundle does not prebuild: the first server
+JIT-builds it during startup (on 2xH200 its first profiling run had not ended after 4 min). This builds it
+first, timed, for at most SECONDS; ninja keeps finished objects, so a call cut short resumes in the next call
+on the same warm machine. A startup that times out says whether compilers were still running in the
+server's processes (``flashmoe.demo.server.compilers_note``).
 """
 
 from __future__ import annotations
@@ -65,6 +77,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -120,6 +133,9 @@ RUNS = {  # name: (parallel arguments, --moe-backend or None for vLLM's own)
     "vllm_dp4_ep": (["--data-parallel-size", "{n}", "--enable-expert-parallel"], None),
     "vllm_tp4_ep": (["--tensor-parallel-size", "{n}", "--enable-expert-parallel"], None),
     "vllm_tp4": (["--tensor-parallel-size", "{n}"], None),
+    # vLLM's Triton fused-MoE (block-fp8 or bf16): its Hopper default without EP; a baseline with no JIT
+    # build, beside vllm_dp4_ep's FlashInfer CUTLASS path for block-fp8 under EP (see --prebuild-flashinfer-moe).
+    "vllm_dp4_ep_triton": (["--data-parallel-size", "{n}", "--enable-expert-parallel"], "triton"),
     # vLLM 0.26 caps max_num_batched_tokens at 256 for DeepEP LL with DP (its batched-DP default; the LL
     # buffer is sized for it) and keeps CUDA graphs on; DeepEP sets its own NVSHMEM variables.
     "vllm_dp4_ep_deepep_ll": (
@@ -240,6 +256,40 @@ def missing_modules(names: tuple[str, ...]) -> list[str]:
         except ImportError as e:
             missing.append(f"{name} ({e})")
     return missing
+
+
+def prebuild_flashinfer_moe(timeout: float) -> dict:
+    """Build FlashInfer's CUTLASS fused-MoE module for sm90 before any server starts, within ``timeout`` s.
+
+    vLLM 0.26 serves block-fp8 experts under EP on Hopper through it (FLASHINFER_CUTLASS, oracle/fp8.py) and
+    the bundle has no prebuilt FlashInfer kernels, so the first server JIT-builds it inside its startup (every
+    dtype pair's CUTLASS instantiations; more than 4 min on 2xH200's 32 cores). Built here it is timed on its
+    own; ninja keeps finished objects in FlashInfer's cache (~/.cache/flashinfer), so a call cut short by
+    ``timeout`` is resumed by the next one on the same machine."""
+    code = "from flashinfer.fused_moe.core import get_cutlass_fused_moe_module as get; get('90')"
+    env = {**os.environ, "MAX_JOBS": str(os.cpu_count() or 1)}
+    t0 = time.monotonic()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,  # the compilers are its children: a timeout stops them all
+    )  # fmt: skip
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        done = False
+    else:
+        done = proc.returncode == 0
+    result = {"module": "flashinfer fused_moe_90", "done": done, "seconds": round(time.monotonic() - t0, 1)}
+    if not done:
+        why = "cut short by the time limit (the next call resumes)" if proc.returncode < 0 else "failed"
+        result["error"] = f"{why}: " + "\n".join(out.strip().splitlines()[-12:])
+    print(
+        f"prebuild {result['module']}: {'done' if done else 'not done'} in {result['seconds']} s", flush=True
+    )
+    return result
 
 
 def ensure_deep_ep(wheel: Path | None, site: Path, timeout: float = 300.0) -> str | None:
@@ -674,7 +724,7 @@ def run_one(name: str, args, model: Path) -> dict:
     if trace_dir is not None:
         vargs += ["--profiler-config", json.dumps(profiler_config(trace_dir))]
     env = dict(ENV)
-    if backend:
+    if backend == "flashmoe":
         env["FLASHMOE_STRICT"] = "1"  # a fallback would make the comparison meaningless
     env.update(RUN_ENV.get(name, {}))
     log = args.out / f"vllm_{name}.log"
@@ -758,6 +808,14 @@ def main() -> int:
         default=[],
         help="a pure-Python wheel to unzip into --site (repeat): what the bundle lacks, see MODELS' needs",
     )
+    ap.add_argument(
+        "--prebuild-flashinfer-moe",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="build FlashInfer's sm90 CUTLASS fused-MoE module first, for at most this long (0: no): what "
+        "vllm_dp4_ep JIT-builds at startup for block-fp8 experts; the result goes into every run's JSON",
+    )
     ap.add_argument("--model", choices=list(MODELS), default="qwen3-30b-a3b")
     ap.add_argument("--model-dir", type=Path, default=None, help="default /tmp/<model>-random")
     ap.add_argument("--num-layers", type=int, default=None, help="default: the model's")
@@ -834,6 +892,9 @@ def main() -> int:
             f"--model {args.model} needs {', '.join(missing)}: not in the vLLM bundle; pass its wheels with "
             "--wheel (pip download --no-deps compressed-tensors==0.17.0 loguru)"
         )
+    prebuild = (
+        prebuild_flashinfer_moe(args.prebuild_flashinfer_moe) if args.prebuild_flashinfer_moe > 0 else None
+    )
     args.deep_ep_missing = None
     if args.deepep_wheel or any(r in DEEPEP_RUNS for r in args.runs.split(",")):
         args.deep_ep_missing = ensure_deep_ep(args.deepep_wheel, args.site)
@@ -853,6 +914,7 @@ def main() -> int:
 
     meta = {
         "commit": args.commit,
+        **({"flashinfer_prebuild": prebuild} if prebuild else {}),
         "machine": f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}",
         "gpus": args.gpus,  # the runs' DP/TP size (their names say dp4/tp4 whatever it is)
         "vllm": vllm.__version__,

@@ -33,11 +33,14 @@ PAIRS = (  # (a, b): greedy token ids compared; all runs load the same checkpoin
     ("vllm_tp4", "vllm_dp4_ep"),
     ("flashmoe_dp4_ep_fallback", "vllm_dp4_ep"),  # the adapter's DeepEP tier against vLLM's default path
     ("vllm_dp4_ep_deepep_ll", "vllm_dp4_ep"),
+    ("flashmoe_dp4_ep", "vllm_dp4_ep_triton"),
+    ("vllm_dp4_ep_triton", "vllm_dp4_ep"),
     ("flashmoe_dp4_ep_dummy_work", "flashmoe_dp4_ep"),  # skipping dummy steps must not change a real token
 )
 # Beside flashmoe's own ratio, the README names these runs' output tokens/s against BASELINE.
 OTHER_RATIOS = {
     "vllm_dp4_ep_deepep_ll": "vLLM's DP4+EP path with DeepEP low-latency",
+    "vllm_dp4_ep_triton": "vLLM's DP4+EP path with its Triton fused-MoE (--moe-backend triton)",
     "flashmoe_dp4_ep_fallback": "flashmoe declining (FLASHMOE_BACKEND=fallback) to vLLM's DeepEP high-throughput tier",
     "flashmoe_dp4_ep_dummy_work": "flashmoe computing the DP dummy steps' experts (FLASHMOE_SKIP_PADDING=0)",
 }

@@ -29,6 +29,12 @@ ALL2ALL_026 = {
     "mori_low_latency", "nixl_ep", "allgather_reducescatter", "flashinfer_all2allv",
     "flashinfer_nvlink_two_sided", "flashinfer_nvlink_one_sided",
 }  # fmt: skip
+# 0.26.0's MoEBackend values (vllm/config/kernel.py), plus the plugin's own.
+MOE_BACKENDS_026 = {
+    "auto", "triton", "deep_gemm", "deep_gemm_mega_moe", "cutlass", "flashinfer_trtllm", "flashinfer_cutlass",
+    "flashinfer_cutedsl", "flashinfer_b12x", "marlin", "humming", "triton_unfused", "aiter", "flydsl", "hpc",
+    "emulation", "flashmoe",
+}  # fmt: skip
 
 
 def _options(args: list[str]) -> dict[str, str | None]:
@@ -42,7 +48,8 @@ def _options(args: list[str]) -> dict[str, str | None]:
 
 def test_deepep_runs_are_declared_with_flags_vllm_026_has():
     assert set(serve.DEEPEP_RUNS) <= set(serve.RUNS) and set(serve.FORCED_FALLBACK_ENV) <= set(serve.RUNS)
-    for name, (parallel, _) in serve.RUNS.items():
+    for name, (parallel, backend) in serve.RUNS.items():
+        assert (backend or "auto") in MOE_BACKENDS_026, name
         opts = _options(parallel)
         assert set(opts) <= SERVER_FLAGS_026, name
         assert opts.get("--all2all-backend", "allgather_reducescatter") in ALL2ALL_026, name
@@ -70,7 +77,7 @@ def plugins_loaded():
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("name", ["vllm_dp4_ep_deepep_ll", "flashmoe_dp4_ep_fallback"])
+@pytest.mark.parametrize("name", ["vllm_dp4_ep_deepep_ll", "flashmoe_dp4_ep_fallback", "vllm_dp4_ep_triton"])
 def test_deepep_runs_parse_with_the_installed_vllm(plugins_loaded, name):
     from vllm.engine.arg_utils import EngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -82,6 +89,19 @@ def test_deepep_runs_parse_with_the_installed_vllm(plugins_loaded, name):
     assert (ns.data_parallel_size, ns.enable_expert_parallel) == (4, True)
     want = "deepep_low_latency" if name == "vllm_dp4_ep_deepep_ll" else "allgather_reducescatter"
     assert ns.all2all_backend == want and ns.moe_backend == (backend or "auto")
+
+
+def test_prebuild_reports_a_build_that_cannot_run():
+    """Without FlashInfer (this machine) the prebuild step says it failed and why, in the run JSON's words."""
+    try:
+        import flashinfer  # noqa: F401
+
+        pytest.skip("FlashInfer is installed here: the step would build for real")
+    except ImportError:
+        pass
+    result = serve.prebuild_flashinfer_moe(timeout=120)
+    assert result["done"] is False and result["module"] == "flashinfer fused_moe_90"
+    assert result["error"].startswith("failed: ") and "No module named 'flashinfer'" in result["error"]
 
 
 def _wheel(path: Path, init: str, version: str = "9.9.9") -> Path:

@@ -45,3 +45,21 @@ def test_a_server_makes_its_own_metrics_bridge(tmp_path, monkeypatch):
     finally:
         server.close()
     assert not server.tmp_dir.exists()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_startup_timeout_says_whether_the_server_was_still_compiling(tmp_path):
+    """A server that never turns healthy while a JIT build runs in its processes (here a process named
+    ninja) times out naming the compilers, so a slow first start is not taken for a hang; one with no
+    compiler says so."""
+    from flashmoe.demo import VLLMServer
+
+    ninja = tmp_path / "ninja"
+    ninja.symlink_to(subprocess.run(["which", "sleep"], capture_output=True, text=True).stdout.strip())
+    for child, expect in ((str(ninja), r"compilers were running .*\(ninja x1\)"), ("sleep", "no compiler")):
+        server = VLLMServer(tmp_path / "model", startup_timeout=3, log_path=tmp_path / "server.log")
+        server.cmd = ["sh", "-c", f"{child} 60 & sleep 60"]
+        with pytest.raises(TimeoutError, match=expect):
+            with server:
+                pass
+        assert server.proc.poll() is not None  # stopped, its group with it

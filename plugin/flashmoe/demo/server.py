@@ -21,6 +21,37 @@ from pathlib import Path
 
 from .. import config
 
+# What a JIT build runs (FlashInfer's and DeepGEMM's through ninja/nvcc, Triton's through ptxas): seen in the
+# server's session when its startup times out, they say the server was compiling, not hung.
+JIT_TOOLS = frozenset({"ninja", "nvcc", "cicc", "ptxas", "cudafe++", "cc1plus", "nvlink", "fatbinary"})
+
+
+def session_commands(session_id: int) -> list[str]:
+    """Command names of the live processes in session ``session_id`` (Linux ``/proc``; empty elsewhere)."""
+    names = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:  # the process ended meanwhile
+            continue
+        # "pid (comm) state ppid pgrp session ...": comm may hold spaces and parentheses
+        comm, rest = text[text.index("(") + 1 : text.rindex(")")], text[text.rindex(")") + 2 :].split()
+        if len(rest) > 3 and int(rest[3]) == session_id:
+            names.append(comm)
+    return names
+
+
+def compilers_note(session_id: int) -> str:
+    """One line: which JIT tools run in the session now (how many of each), or that none does."""
+    counts: dict[str, int] = {}
+    for name in session_commands(session_id):
+        if name in JIT_TOOLS:
+            counts[name] = counts.get(name, 0) + 1
+    if not counts:
+        return "no compiler was running in the server's processes"
+    tools = ", ".join(f"{n} x{c}" for n, c in sorted(counts.items()))
+    return f"compilers were running in the server's processes ({tools}): a JIT build had not finished"
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -116,8 +147,11 @@ class VLLMServer:
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 pass
             time.sleep(1.0)
+        compiling = compilers_note(self.proc.pid)  # the server leads its own session (start_new_session)
         self.stop()
-        raise TimeoutError(f"vLLM server not healthy after {self.startup_timeout:.0f} s:\n{self.log_tail()}")
+        raise TimeoutError(
+            f"vLLM server not healthy after {self.startup_timeout:.0f} s; {compiling}:\n{self.log_tail()}"
+        )
 
     def stop(self, timeout: float = 30.0) -> None:
         if self.proc is None or self.proc.poll() is not None:
