@@ -120,10 +120,11 @@ class SeededWeights:
     """Random bf16 checkpoint tensors for the real-shaped GPU models: N(0, ``std``), each drawn from a
     generator seeded by ``seed`` and the name it is asked for, so a tensor's values do not depend on
     which other tensors exist or the order they are made in (every parallel layout loads the same
-    model), and norms are ones."""
+    model), and norms are ones. ``keep``: leave the drawn tensors on ``device`` (for a caller that
+    quantises them there) instead of returning them on the CPU."""
 
-    def __init__(self, seed: int, std: float, device: str):
-        self.seed, self.std, self.device = seed, std, device
+    def __init__(self, seed: int, std: float, device: str, keep: bool = False):
+        self.seed, self.std, self.device, self.keep = seed, std, device, keep
 
     def normal(self, name: str, *shape: int):
         import zlib
@@ -131,8 +132,10 @@ class SeededWeights:
         import torch
 
         g = torch.Generator(device=self.device).manual_seed(self.seed * 1_000_003 + zlib.crc32(name.encode()))
-        t = torch.randn(*shape, generator=g, device=self.device, dtype=torch.float32) * self.std
-        return t.to(torch.bfloat16).cpu()
+        t = (torch.randn(*shape, generator=g, device=self.device, dtype=torch.float32) * self.std).to(
+            torch.bfloat16
+        )
+        return t if self.keep else t.cpu()
 
     @staticmethod
     def ones(n: int):
@@ -156,7 +159,7 @@ def write_sharded_checkpoint(path: Path, shards: list, config: dict, marker: dic
     weight_map = {}
     for i, make in enumerate(shards):
         fname = names[i]
-        tensors = make()
+        tensors = {name: t.cpu() for name, t in make().items()}  # a shard may be made on the GPU
         save_file(tensors, str(path / fname), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(tensors, fname))
     total = sum((path / f).stat().st_size for f in names)
@@ -171,7 +174,7 @@ def write_sharded_checkpoint(path: Path, shards: list, config: dict, marker: dic
 def _block_fp8_tensors(tensors: dict, is_fp8_linear, device: str | None = None) -> dict:
     """``tensors`` with every ``*.weight`` that ``is_fp8_linear(name)`` accepts stored as checkpoints store block-fp8
     linears: e4m3 values plus ``*.weight_scale_inv`` (fp32, one per 128x128 block); the rest as given.
-    ``device``: where to quantise (the tensors come back on the CPU)."""
+    ``device``: where to quantise; every tensor comes back on the CPU."""
     from flashmoe.fp8 import quantize_weight_blocks
 
     out = {}
@@ -181,7 +184,7 @@ def _block_fp8_tensors(tensors: dict, is_fp8_linear, device: str | None = None) 
             out[name] = q.cpu()
             out[name.removesuffix("weight") + "weight_scale_inv"] = scale_inv.cpu()
         else:
-            out[name] = t
+            out[name] = t.cpu()
     return out
 
 
@@ -237,7 +240,8 @@ def _qwen3_30b_a3b_checkpoint(path: str | Path, num_layers: int, seed: int, devi
     c = {**QWEN3_30B_A3B, "num_hidden_layers": num_layers}
     H, I, V, E = c["hidden_size"], c["moe_intermediate_size"], c["vocab_size"], c["num_experts"]
     q_out, kv_out = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
-    w = SeededWeights(seed, c["initializer_range"], device)
+    # fp8: the layers' tensors stay where they are drawn until quantised there (no round trip through the CPU).
+    w = SeededWeights(seed, c["initializer_range"], device, keep=fp8)
 
     def layer(i: int) -> dict:
         p = f"model.layers.{i}."
