@@ -232,7 +232,6 @@ def unzip_wheel(wheel: Path, site: Path) -> bool:
     """Lay ``wheel`` out in ``site`` as ``pip install --no-deps --target`` would (no network or index),
     unless its dist-info is already there; another version's dist-info is removed first, so it cannot
     shadow this one. True if it unzipped."""
-    import shutil
     import zipfile
 
     with zipfile.ZipFile(wheel) as zf:

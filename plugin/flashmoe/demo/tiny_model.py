@@ -171,20 +171,20 @@ def write_sharded_checkpoint(path: Path, shards: list, config: dict, marker: dic
     return path
 
 
-def _block_fp8_tensors(tensors: dict, is_fp8_linear, device: str | None = None) -> dict:
+def _block_fp8_tensors(tensors: dict, is_fp8_linear) -> dict:
     """``tensors`` with every ``*.weight`` that ``is_fp8_linear(name)`` accepts stored as checkpoints store block-fp8
-    linears: e4m3 values plus ``*.weight_scale_inv`` (fp32, one per 128x128 block); the rest as given.
-    ``device``: where to quantise; every tensor comes back on the CPU."""
+    linears: e4m3 values plus ``*.weight_scale_inv`` (fp32, one per 128x128 block); the rest as given. Each is
+    quantised on the device it is on; the writer moves them to the CPU."""
     from flashmoe.fp8 import quantize_weight_blocks
 
     out = {}
     for name, t in tensors.items():
         if name.endswith(".weight") and is_fp8_linear(name):
-            q, scale_inv = quantize_weight_blocks(t if device is None else t.to(device), FP8_BLOCK[0])
-            out[name] = q.cpu()
-            out[name.removesuffix("weight") + "weight_scale_inv"] = scale_inv.cpu()
+            q, scale_inv = quantize_weight_blocks(t, FP8_BLOCK[0])
+            out[name] = q
+            out[name.removesuffix("weight") + "weight_scale_inv"] = scale_inv
         else:
-            out[name] = t.cpu()
+            out[name] = t
     return out
 
 
@@ -262,7 +262,7 @@ def _qwen3_30b_a3b_checkpoint(path: str | Path, num_layers: int, seed: int, devi
             tensors[q + "down_proj.weight"] = w.normal(q + "down_proj", H, I)
         if not fp8:
             return tensors
-        return _block_fp8_tensors(tensors, lambda name: any(m in name for m in _FP8_LINEARS), device)
+        return _block_fp8_tensors(tensors, lambda name: any(m in name for m in _FP8_LINEARS))
 
     def head() -> dict:  # the last shard: embeddings, final norm, LM head
         return {
