@@ -114,6 +114,35 @@ def tile_weight_bytes(gemm: int, H: int, I: int, fp8: bool, splits: int = 1) -> 
     return TILE_WEIGHT_ROWS * I * (1 if fp8 else 2)
 
 
+def streaming_timeline(producer: list[dict], H: int, I: int, fp8: bool, bin_us: float = 2.0) -> list[dict]:
+    """Per `bin_us` of the launch: the weight bytes the producers issued (each task's bytes spread evenly over its
+    first-to-last stage issue; TMA requests, so a stage lands some microseconds later) as TB/s, and how many SMs
+    were issuing GEMM0 and GEMM1 tiles (fractions of a bin count). Shows where the GEMM phase streams at HBM rate
+    and where few SMs stream: a partial last wave, short tasks whose set-up outlasts their issue."""
+    bins: dict[int, list[float]] = {}
+    for p in producer:
+        if "first_issue" not in p:
+            continue
+        start = p["first_issue"]
+        end = max(p.get("last_issue", start), start + 1e-3)
+        size = tile_weight_bytes(p["gemm"], H, I, fp8, p["splits"])
+        i = int(start // bin_us)
+        while i * bin_us < end:
+            lo, hi = max(start, i * bin_us), min(end, (i + 1) * bin_us)
+            row = bins.setdefault(i, [0.0, 0.0, 0.0])
+            row[0] += size * (hi - lo) / (end - start)
+            row[1 + p["gemm"]] += (hi - lo) / bin_us
+            i += 1
+    return [
+        {
+            "t_us": round(i * bin_us, 2),
+            "tb_per_s": round(b / bin_us / 1e6, 3),
+            "sms_issuing": [round(g0, 1), round(g1, 1)],
+        }
+        for i, (b, g0, g1) in sorted(bins.items())
+    ]
+
+
 def analyse(trace: list[list[list[tuple]]], H: int, I: int, fp8: bool = False) -> dict:
     t0 = min(role[0][0] for blk in trace for role in blk if role)
     phases: dict[str, list[float]] = {name: [] for name in PHASES.values()}
@@ -260,7 +289,58 @@ def analyse(trace: list[list[list[tuple]]], H: int, I: int, fp8: bool = False) -
         "consumer_tiles": groups,
         "producer_tiles": producer_summary,
         "transitions": transitions,
+        "streaming_timeline": streaming_timeline(producer, H, I, fp8),
     }
+
+
+def print_case(shape: str, T: int, blocks: int, err: float, summary: dict) -> None:
+    """One token count's summary, as read by a person: phase ends, per-tile medians, steps, the streaming timeline."""
+    print(
+        f"\n== {shape} T={T}: {blocks} blocks, rel err {err:.1e}, GEMM phase {summary['gemm_phase_us']} us "
+        f"({summary['gemm_tb_per_s']} TB/s of weights), block GEMM ends spread {summary['blocks_gemm_end_spread_us']} us,"
+        f" tiles/block {summary['tiles_per_block']}",
+        flush=True,
+    )
+    print(
+        "phase ends (us from first start, min/median/max over blocks): "
+        + ", ".join(f"{p} {v['min']}/{v['median']}/{v['max']}" for p, v in summary["phase_end_us"].items())
+    )
+    for key, g in sorted(summary["consumer_tiles"].items()):
+        m = g["median_us"]
+        print(
+            f"  consumer {key}: {g['tiles']} tiles, median us: "
+            + ", ".join(f"{n} {v}" for n, v in m.items())
+            + f"; mainloop {g['mainloop_gb_per_s_per_sm']} GB/s/SM"
+        )
+    for key, m in sorted(summary["producer_tiles"].items()):
+        print(f"  producer {key}: median us: " + ", ".join(f"{n} {v}" for n, v in m.items()))
+    print("  steps (count, median us):")
+    for key, (n, v) in summary["transitions"].items():
+        if n >= 10 and not key.startswith("consumer1"):
+            print(f"    {key}: {n}x {v}")
+    timeline = summary.get("streaming_timeline") or []
+    if timeline:
+        print("  streaming (us: TB/s issued, SMs issuing GEMM0/GEMM1):")
+        cells = [
+            f"{b['t_us']:g}: {b['tb_per_s']:.2f} {b['sms_issuing'][0]:g}/{b['sms_issuing'][1]:g}"
+            for b in timeline
+        ]
+        for i in range(0, len(cells), 6):
+            print("    " + " | ".join(cells[i : i + 6]))
+
+
+def reanalyse(path: Path) -> None:
+    """Print the analysis of a raw trace file (--raw) again, with no GPU: for traces taken before an analysis
+    was added, or to look again."""
+    doc = json.loads(path.read_text())
+    fp8 = doc.get("dtype") == "fp8"
+    for T, case in doc["cases"].items():
+        events = case.get("events")
+        if not events:
+            raise SystemExit(f"kernel_trace: {path} case T={T} has no events (trace it with --raw)")
+        trace = [[[tuple(e) for e in role] for role in block] for block in events]
+        summary = analyse(trace, doc["H"], doc["I"], fp8)
+        print_case(doc["shape"], int(T), len(trace), case.get("rel_err_vs_reference", float("nan")), summary)
 
 
 def main():
@@ -272,7 +352,13 @@ def main():
     ap.add_argument("--out", default="kernel_trace.json")
     ap.add_argument("--raw", action="store_true", help="keep every event in the JSON")
     ap.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16", help="weight format (fp8: block-fp8)")
+    ap.add_argument(
+        "--reanalyse", type=Path, help="print the analysis of this --raw trace file (no GPU) and exit"
+    )
     args = ap.parse_args()
+    if args.reanalyse:
+        reanalyse(args.reanalyse)
+        return
     fp8 = args.dtype == "fp8"
     world = int(os.environ.get("WORLD_SIZE", "1"))
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
@@ -339,31 +425,7 @@ def main():
         results["cases"][str(T)] = summary
         if rank != 0:
             continue
-        print(
-            f"\n== {args.shape} T={T}: {blocks} blocks, rel err {err:.1e}, GEMM phase {summary['gemm_phase_us']} us "
-            f"({summary['gemm_tb_per_s']} TB/s of weights), block GEMM ends spread {summary['blocks_gemm_end_spread_us']} us,"
-            f" tiles/block {summary['tiles_per_block']}",
-            flush=True,
-        )
-        print(
-            "phase ends (us from first start, min/median/max over blocks): "
-            + ", ".join(
-                f"{p} {v['min']}/{v['median']}/{v['max']}" for p, v in summary["phase_end_us"].items()
-            )
-        )
-        for key, g in sorted(summary["consumer_tiles"].items()):
-            m = g["median_us"]
-            print(
-                f"  consumer {key}: {g['tiles']} tiles, median us: "
-                + ", ".join(f"{n} {v}" for n, v in m.items())
-                + f"; mainloop {g['mainloop_gb_per_s_per_sm']} GB/s/SM"
-            )
-        for key, m in sorted(summary["producer_tiles"].items()):
-            print(f"  producer {key}: median us: " + ", ".join(f"{n} {v}" for n, v in m.items()))
-        print("  steps (count, median us):")
-        for key, (n, v) in summary["transitions"].items():
-            if n >= 10 and not key.startswith("consumer1"):
-                print(f"    {key}: {n}x {v}")
+        print_case(args.shape, T, blocks, err, summary)
         if not ok or err != err:
             print(f"WRONG: rel err {err:.2e} against the same-rounding reference", flush=True)
     out_path = Path(args.out) if world == 1 else Path(f"{args.out}.rank{rank}.json")

@@ -62,3 +62,29 @@ def test_a_two_pass_task_is_timed_from_its_first_pass_to_its_last(kernel_trace):
     assert gemm1["empty_wait"] == pytest.approx(0.1)
     # Weight bytes: the fp8 GEMM0 task's two passes of 128 one-byte rows of K = H, and one GEMM1 tile of K = I.
     assert summary["gemm_weight_bytes"] == 128 * 2048 * 2 + 128 * 768
+
+
+def test_the_streaming_timeline_spreads_each_task_over_its_issue_span(kernel_trace):
+    kt = kernel_trace
+    producer = [
+        (0, 0, 0, 0, 0, 0),  # phase event: start (the launch's first event, t = 0)
+        _task(kt, 1_000, 0, gemm=0, n=32),
+        (1_500, 3_000, kt.PRODUCER_FIRST, 0, 0, 0),
+        (9_000, 18_000, kt.PRODUCER_LAST, 0, 0, 0),
+        _task(kt, 10_000, 1, gemm=1, n=32),
+        (10_400, 20_800, kt.PRODUCER_FIRST, 0, 0, 0),
+        (12_000, 24_000, kt.PRODUCER_LAST, 0, 0, 0),
+    ]
+    summary = kt.analyse([[producer, [], []]], H=2048, I=768, fp8=True)
+    bins = {b["t_us"]: b for b in summary["streaming_timeline"]}
+    assert sorted(bins) == [0, 2, 4, 6, 8, 10]
+    gemm0_bytes, gemm1_bytes = 128 * 2048 * 2, 128 * 768
+    # GEMM0 issues 1.5-9.0 us: a quarter of the first bin, whole bins 2-8, half of the bin at 8.
+    assert bins[0]["sms_issuing"] == [0.2, 0.0]  # 0.25, rounded to one place
+    assert bins[4]["sms_issuing"] == [1.0, 0.0]
+    assert bins[8]["sms_issuing"] == [0.5, 0.0]
+    assert bins[10]["sms_issuing"] == [0.0, 0.8]  # GEMM1 10.4-12.0 us
+    # TB/s = bytes per us / 1e6.
+    assert bins[4]["tb_per_s"] == pytest.approx(gemm0_bytes / 7.5 / 1e6, abs=1e-3)
+    total = sum(b["tb_per_s"] * 1e6 * 2.0 for b in bins.values())
+    assert total == pytest.approx(gemm0_bytes + gemm1_bytes, rel=1e-3)

@@ -24,7 +24,8 @@ SRC = Path.cwd()
 def patch(root, rel, old, new):
     f = root / rel
     s = f.read_text()
-    assert old in s, (rel, old)
+    # Exactly once: a text that also occurs elsewhere (a deeper-indented copy, say) would change that too.
+    assert s.count(old) == 1, (rel, s.count(old), old)
     f.write_text(s.replace(old, new))
 
 
@@ -50,7 +51,40 @@ def variant_tree(name, root):
     return root
 
 
-_UNGUARD = ("csrc/flashmoe/gemm.cuh", "  pipe_wait(p, g, g.empty(st.stage), st.phase() ^ 1u);\n", "")
+# wait_stage_full's first line (the producer's own empty-slot wait, indented deeper, must stay).
+_WAIT_STAGE_FULL = "void wait_stage_full(const Params& p, const GemmSmem& g, PipeState& st, int ks) {\n"
+_UNGUARD = (
+    "csrc/flashmoe/gemm.cuh",
+    _WAIT_STAGE_FULL + "  pipe_wait(p, g, g.empty(st.stage), st.phase() ^ 1u);\n",
+    _WAIT_STAGE_FULL,
+)
+
+# The fp8 timing variants' pieces of consume_tile_fp8 (gemm.cuh): its wgmmas into per-stage partial sums, their
+# drain, and the promotion.
+_FP8_INTO_ACC = (
+    "csrc/flashmoe/gemm.cuh",
+    "WgmmaFp8<N>::mma(partial[h], a + 2 * kk, b + 2 * kk, kk > k0);",
+    "WgmmaFp8<N>::mma(acc[h], a + 2 * kk, b + 2 * kk, ks > 0 || kk > 0);",
+)
+_FP8_FENCE_ACC = (
+    "csrc/flashmoe/gemm.cuh",
+    "for (int h = 0; h < kHalves; ++h) fence_accumulators(partial[h]);",
+    "for (int h = 0; h < kHalves; ++h) fence_accumulators(acc[h]);",
+)
+_FP8_NO_PROMOTION = (
+    "csrc/flashmoe/gemm.cuh",
+    """#pragma unroll
+      for (int h = 0; h < kHalves; ++h)
+#pragma unroll
+        for (int j = 0; j < N / 8; ++j) {
+          acc[h][4 * j] = fmaf(token[2 * j] * weight_lo, partial[h][4 * j], acc[h][4 * j]);
+          acc[h][4 * j + 1] = fmaf(token[2 * j + 1] * weight_lo, partial[h][4 * j + 1], acc[h][4 * j + 1]);
+          acc[h][4 * j + 2] = fmaf(token[2 * j] * weight_hi, partial[h][4 * j + 2], acc[h][4 * j + 2]);
+          acc[h][4 * j + 3] = fmaf(token[2 * j + 1] * weight_hi, partial[h][4 * j + 3], acc[h][4 * j + 3]);
+        }
+""",
+    "      (void)weight_lo; (void)weight_hi; (void)token;\n",
+)
 
 VARIANTS = {
     "base": [],
@@ -131,9 +165,10 @@ VARIANTS = {
         (
             _UNGUARD[0],
             _UNGUARD[1],
-            "  if ((threadIdx.x & 127) == 0 && !mbar_try_wait(g.empty(st.stage), st.phase() ^ 1u))\n"
+            _WAIT_STAGE_FULL
+            + "  if ((threadIdx.x & 127) == 0 && !mbar_try_wait(g.empty(st.stage), st.phase() ^ 1u))\n"
             '    printf("flashmoe alias probe: block %d consumer %d stage %d\\n", blockIdx.x, threadIdx.x / 128 - 1,'
-            " st.stage);\n" + _UNGUARD[1],
+            " st.stage);\n" + _UNGUARD[1].removeprefix(_WAIT_STAGE_FULL),
         ),
     ],
     # Dispatch with one 16-byte load of the row in flight per lane (as before 2026-11-23): what loading a row's
@@ -173,6 +208,58 @@ VARIANTS = {
             "    __threadfence();  // the warpgroup's stores (ordered by the barrier) before the count: release\n",
             "",
         )
+    ],
+    # fp8, numerically wrong, timing only: where the fp8 consumer's ~0.46 us per 16 KiB stage goes (bf16 ~0.2,
+    # kernel-notes.md 2026-11-23). fp8_no_promote: the wgmmas accumulate into acc, no scales applied, each stage
+    # still drained before its release. fp8_no_drain: that, and one wgmma group left in flight as in the bf16
+    # loop (a stage is released after the next one's wgmmas are issued). fp8_no_wgmma: a stage is released as
+    # soon as it has landed. ptxas serialises fp8_no_drain's GEMM1 32-token function (C7514: it cannot place
+    # the loop's accumulator reads), so read that variant's GEMM0 phase (kernel_check's metrics phases).
+    "fp8_no_promote": [_FP8_INTO_ACC, _FP8_FENCE_ACC, _FP8_NO_PROMOTION],
+    "fp8_no_drain": [
+        _FP8_INTO_ACC,
+        # acc is still being written by the group in flight: no fence on it inside the loop (it would serialise
+        # the wgmmas, ptxas C7514); one after the final drain.
+        (_FP8_FENCE_ACC[0], _FP8_FENCE_ACC[1], "for (int h = 0; h < 0; ++h) {}"),
+        _FP8_NO_PROMOTION,
+        (
+            "csrc/flashmoe/gemm.cuh",
+            "      wgmma_commit();\n      wgmma_wait<0>();",
+            "      wgmma_commit();\n      wgmma_wait<1>();",
+        ),
+        (
+            "csrc/flashmoe/gemm.cuh",
+            "        if (lane == 0) mbar_arrive(g.empty(st.stage), kReleases);\n      }",
+            "        if (lane == 0 && ks > 0) mbar_arrive(g.empty(st.stage == 0 ? st.num_stages - 1 : st.stage - 1), kReleases);\n      }",
+        ),
+        (
+            "csrc/flashmoe/gemm.cuh",
+            "    st.advance();\n  } while (++ks < k_steps);\n}\n\n// Named barrier",
+            "    st.advance();\n  } while (++ks < k_steps);\n  wgmma_wait<0>();\n"
+            "  for (int h = 0; h < kHalves; ++h) fence_accumulators(acc[h]);\n  __syncwarp();\n"
+            "  if (lane == 0) mbar_arrive(g.empty(st.stage == 0 ? st.num_stages - 1 : st.stage - 1), kReleases);\n"
+            "}\n\n// Named barrier",
+        ),
+    ],
+    "fp8_no_wgmma": [
+        (
+            "csrc/flashmoe/gemm.cuh",
+            """      wgmma_fence();
+#pragma unroll
+      for (int h = 0; h < kHalves; ++h) {
+        const uint64_t a = sw128_desc(stage + (first_row + h * kConsumerRows) * 128);
+#pragma unroll
+        for (int kk = k0; kk < k0 + kPerPromotion; ++kk)
+          WgmmaFp8<N>::mma(partial[h], a + 2 * kk, b + 2 * kk, kk > k0);
+      }
+      wgmma_commit();
+      wgmma_wait<0>();""",
+            """      (void)b; (void)first_row;
+#pragma unroll
+      for (int h = 0; h < kHalves; ++h)
+#pragma unroll
+        for (int i = 0; i < N / 2; ++i) partial[h][i] = 0.f;""",
+        ),
     ],
 }
 
