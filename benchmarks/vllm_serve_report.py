@@ -4,7 +4,9 @@
         --json benchmarks/results/<date>-h200x4-vllm-serve.json --readme benchmarks/README.md
 
 Reads runs of both kinds: one wave per concurrency (before `vllm bench serve`) and `vllm bench
-serve` levels (repeats, their spread, p99). Writes the merged JSON (every run, plus the comparisons),
+serve` levels (repeats, their spread, p99). Several files of one run (the same run name, e.g. two server starts
+in one session to see how much a start moves the numbers) are pooled into one run: each level's repeats are
+those of every start, summarised again, and the starts' greedy token ids are compared with the first's. Writes the merged JSON (every run, plus the comparisons),
 a PNG beside it (output tokens/s and time per output token against concurrency, one line per run)
 and, with ``--readme``, the README section between the vllm-serve markers. Runs made with
 ``--profile-levels`` add one table per profiled level to the section: where a decode step's GPU time
@@ -62,12 +64,63 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
     }
 
 
+def pool_starts(name: str, docs: list[dict], files: list[Path]) -> dict:
+    """One run from several files of it (separate server starts, same arguments): every level's repeats pooled and
+    summarised as vllm_serve_gpu.summarize does for one start; the first start's greedy token ids, log and metrics,
+    the others' token ids beside them. Refused unless every start ran the same model, lengths, levels and requests
+    per level with `vllm bench serve` (one-wave levels have no repeats to pool)."""
+    from vllm_serve_gpu import summarize
+
+    first = docs[0]
+    for key in ("model", "input_len", "output_len"):
+        values = {json.dumps(d.get(key)) for d in docs}
+        if len(values) > 1:
+            raise SystemExit(f"vllm_serve_report: run {name}: its files differ in {key}: {sorted(values)}")
+    levels: dict[int, list[dict]] = {}
+    for d, path in zip(docs, files, strict=True):
+        got = [t["concurrency"] for t in d.get("throughput", [])]
+        want = [t["concurrency"] for t in first.get("throughput", [])]
+        if got != want:
+            raise SystemExit(f"vllm_serve_report: run {name}: {path} has levels {got}, the first file {want}")
+        for t in d["throughput"]:
+            if "repeats" not in t:
+                raise SystemExit(
+                    f"vllm_serve_report: run {name}: {path} level c={t['concurrency']} has no repeats "
+                    "(a one-wave run cannot be pooled)"
+                )
+            levels.setdefault(t["concurrency"], []).append(t)
+    throughput = []
+    for c, ts in levels.items():
+        requests = {t["requests"] for t in ts}
+        if len(requests) > 1:
+            raise SystemExit(
+                f"vllm_serve_report: run {name}: level c={c} ran {sorted(requests)} requests per start"
+            )
+        throughput.append(summarize(c, ts[0]["requests"], [r for t in ts for r in t["repeats"]]))
+    run = dict(first)
+    run["throughput"] = throughput
+    run["method"] = (
+        f"{first.get('method', '')}; {len(docs)} server starts pooled: each level's repeats are every start's "
+        "(files in the order given)"
+    )
+    run["starts"] = [
+        {"file": path.name, **{k: d[k] for k in ("argv", "startup_s", "elapsed_s") if k in d}}
+        for d, path in zip(docs, files, strict=True)
+    ]
+    run["greedy_token_ids_other_starts"] = [d.get("greedy_token_ids") for d in docs[1:]]
+    return run
+
+
 def compare(runs: dict[str, dict]) -> dict:
     out = {"token_ids": {}, "throughput_vs_" + BASELINE: {}}
     for a, b in PAIRS:
         ra, rb = runs.get(a), runs.get(b)
         if ra and rb and "greedy_token_ids" in ra and "greedy_token_ids" in rb:
             out["token_ids"][f"{a} vs {b}"] = agreement(ra["greedy_token_ids"], rb["greedy_token_ids"])
+    for name, run in runs.items():  # pooled starts: does a second start of the same server give the same ids?
+        for i, ids in enumerate(run.get("greedy_token_ids_other_starts") or [], start=2):
+            if ids and run.get("greedy_token_ids"):
+                out["token_ids"][f"{name} start 1 vs start {i}"] = agreement(run["greedy_token_ids"], ids)
     base = {t["concurrency"]: t for t in runs.get(BASELINE, {}).get("throughput", [])}
     for name, run in runs.items():
         if name == BASELINE:
@@ -306,8 +359,16 @@ def main(argv=None) -> int:
     p.add_argument("--readme", type=Path)
     args = p.parse_args(argv)
     runs, meta = {}, {}
+    by_run: dict[str, list[tuple[dict, Path]]] = {}
     for path in args.runs:
         d = json.loads(path.read_text())
+        by_run.setdefault(d["run"], []).append((d, path))
+    for name, starts in by_run.items():
+        d = (
+            starts[0][0]
+            if len(starts) == 1
+            else pool_starts(name, [x for x, _ in starts], [p for _, p in starts])
+        )
         for k in (
             "commit",
             "machine",
@@ -322,7 +383,7 @@ def main(argv=None) -> int:
         ):
             if k in d:
                 meta.setdefault(k, d[k])
-        runs[d["run"]] = {k: v for k, v in d.items() if k not in meta or k in ("argv", "method")}
+        runs[name] = {k: v for k, v in d.items() if k not in meta or k in ("argv", "method")}
     methods = {name: r.get("method") for name, r in runs.items() if r.get("method")}
     if len(set(methods.values())) > 1:  # e.g. fewer repeats for a run that had less device time
         meta["method"] = "; ".join(f"{name}: {m}" for name, m in methods.items())

@@ -3,6 +3,7 @@
 import json
 
 import bench_import  # noqa: F401
+import pytest
 import vllm_serve_report as report
 
 
@@ -186,3 +187,66 @@ def test_report_shows_the_deepep_runs_beside_the_default_path(tmp_path):
         "(FLASHMOE_BACKEND=fallback); using vLLM's DeepEP path" in text
     )
     assert "flashmoe_fallback_total counted 1." in text
+
+
+def _bench_run(name, ids, per_level):
+    """A run as vllm_serve_gpu.py writes `vllm bench serve` levels: {concurrency: [output tok/s per repeat]}."""
+    import vllm_serve_gpu as serve
+
+    keys = [ours for ours, _ in serve.BENCH_FIELDS]
+    run = _run(name, 1.0, 1.0, ids)
+    run["method"] = "vllm bench serve (...)"
+    run["throughput"] = []
+    for c, values in per_level.items():
+        reps = []
+        for v in values:
+            r = dict.fromkeys(keys, 10.0)
+            r.update(completed=4 * c, failed=0, output_tok_per_s=v, tpot_median_ms=1e3 * c / v)
+            reps.append(r)
+        run["throughput"].append(serve.summarize(c, 4 * c, reps))
+    return run
+
+
+def test_files_of_one_run_are_pooled_as_repeats_and_their_token_ids_compared(tmp_path):
+    import vllm_serve_gpu as serve
+
+    first = _bench_run("flashmoe_dp4_ep", [[1, 2, 3], [4, 5, 6]], {1: [180.0], 64: [3900.0]})
+    second = _bench_run("flashmoe_dp4_ep", [[1, 2, 3], [4, 5, 7]], {1: [182.0], 64: [4260.0]})
+    second["startup_s"] = 103.0
+    base = _bench_run("vllm_dp4_ep", [[1, 2, 3], [4, 5, 6]], {1: [170.0], 64: [4000.0]})
+    files = []
+    for i, run in enumerate((first, second, base)):
+        f = tmp_path / f"vllm_{run['run']}.{i}.json"
+        f.write_text(json.dumps(run))
+        files.append(str(f))
+    out = tmp_path / "serve.json"
+    assert report.main([*files, "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    pooled = doc["runs"]["flashmoe_dp4_ep"]
+    level = {t["concurrency"]: t for t in pooled["throughput"]}
+    assert len(level[64]["repeats"]) == 2 and level[64]["output_tok_per_s"] == 4080.0
+    assert level[64]["spread"]["output_tok_per_s"] == [3900.0, 4260.0]
+    assert level[64] == serve.summarize(
+        64, 256, first["throughput"][1]["repeats"] + second["throughput"][1]["repeats"]
+    )
+    assert [s["startup_s"] for s in pooled["starts"]] == [100.0, 103.0]
+    assert "2 server starts pooled" in pooled["method"]
+    across = doc["comparison"]["token_ids"]["flashmoe_dp4_ep start 1 vs start 2"]
+    assert (across["identical"], across["first_difference_at"]) == (1, [None, 2])
+    ratio = doc["comparison"]["throughput_vs_vllm_dp4_ep"]["flashmoe_dp4_ep"]
+    assert abs(ratio["64"]["output_tok_per_s"] - 4080.0 / 4000.0) < 1e-9
+
+
+def test_files_of_one_run_that_ran_different_levels_are_refused(tmp_path):
+    a = _bench_run("flashmoe_dp4_ep", [[1]], {1: [180.0], 64: [3900.0]})
+    b = _bench_run("flashmoe_dp4_ep", [[1]], {64: [4260.0]})
+    c = _run("flashmoe_dp4_ep", 1.0, 1.0, [[1]])  # a one-wave run: no repeats to pool
+    files = []
+    for i, run in enumerate((a, b, c)):
+        f = tmp_path / f"vllm_x.{i}.json"
+        f.write_text(json.dumps(run))
+        files.append(str(f))
+    with pytest.raises(SystemExit, match="has levels"):
+        report.main([files[0], files[1], "--json", str(tmp_path / "o.json")])
+    with pytest.raises(SystemExit, match="no repeats"):
+        report.main([files[0], files[2], "--json", str(tmp_path / "o.json")])
