@@ -1,7 +1,7 @@
-"""benchmarks/experiments/gemm_variants.py (no GPU): every timing variant's source patches still apply to the
-checkout, each exactly once. A patch whose text has moved fails here instead of on a lent GPU machine, and a
-text that also occurs elsewhere (the producer's deeper-indented copy of a consumer's wait, say) would patch
-both."""
+"""benchmarks/experiments/gemm_variants.py (no GPU): every timing variant's source patches, and every kernel diff
+kept under benchmarks/experiments/diffs/, still apply to the checkout, each piece exactly once. A patch whose text
+has moved fails here instead of on a lent GPU machine, and a text that also occurs elsewhere (the producer's
+deeper-indented copy of a consumer's wait, say) would patch both."""
 
 from __future__ import annotations
 
@@ -44,3 +44,31 @@ def test_a_patch_text_found_twice_is_refused(gemm_variants, tmp_path):
         gemm_variants.patch(tmp_path, "a.cuh", "  wait();\n", "")
     gemm_variants.patch(tmp_path, "a.cuh", "      wait();\n", "")
     assert (tmp_path / "a.cuh").read_text() == "  wait();\n"
+
+
+def _copy_of(tmp_path, rels):
+    for rel in rels:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text((REPO / rel).read_text())
+
+
+def test_every_kept_kernel_diff_applies(gemm_variants, tmp_path):
+    diffs = sorted((REPO / "benchmarks" / "experiments" / "diffs").glob("*.diff"))
+    assert diffs, "no diff kept: remove this test with the directory"
+    for path in diffs:
+        text = path.read_text()
+        rels = [line[6:] for line in text.splitlines() if line.startswith("+++ b/")]
+        tree = tmp_path / path.stem
+        _copy_of(tree, rels)
+        gemm_variants.apply_diff(tree, text)
+        for rel in rels:
+            assert (tree / rel).read_text() != (REPO / rel).read_text(), (path.name, rel)
+
+
+def test_a_diff_whose_context_moved_is_refused(gemm_variants, tmp_path):
+    (tmp_path / "a.cuh").write_text("one\ntwo\nthree\n")
+    ok = "--- a/a.cuh\n+++ b/a.cuh\n@@ -1,3 +1,3 @@\n one\n-two\n+TWO\n three\n"
+    gemm_variants.apply_diff(tmp_path, ok)
+    assert (tmp_path / "a.cuh").read_text() == "one\nTWO\nthree\n"
+    with pytest.raises(AssertionError):  # the old lines are no longer there
+        gemm_variants.apply_diff(tmp_path, ok)

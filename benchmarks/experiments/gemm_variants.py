@@ -3,6 +3,12 @@ scripts/kernel_check.py --time-only (a variant's numerics may be wrong: it answe
 
     python benchmarks/experiments/gemm_variants.py "qwen3-30b/ep4:8,128" OUT_DIR base,gemm0_only,no_wgmma
     python benchmarks/experiments/gemm_variants.py "adhoc:1" OUT_DIR base,csrc=DIR --adhoc 32,2,2048,768,1,uniform
+    python benchmarks/experiments/gemm_variants.py "qwen3-30b/ep4:8" OUT_DIR base,diff=benchmarks/experiments/diffs/smem_base.diff
+
+A ``diff=FILE`` variant applies a unified diff (``git diff`` of csrc/) to the copy: kernel changes written without
+a GPU travel to the next device session as files under ``diffs/`` (the branches of a session do not survive it).
+Its hunks must match the checkout exactly (no fuzz), like the patches below; tests/test_bench_gemm_variants.py
+checks that every file in ``diffs/`` still applies.
 
 Arguments after the variant list go to kernel_check.py as they are. Each run leaves OUT_DIR/var_<name>.json
 (a second run of the same variant: var_<name>.run2.json; a csrc=DIR run is named after DIR's last component);
@@ -29,6 +35,46 @@ def patch(root, rel, old, new):
     f.write_text(s.replace(old, new))
 
 
+def apply_diff(root, text):
+    """Apply a unified diff (``git diff`` output, paths a/... b/...) to the tree at ``root``: each hunk's old lines
+    (context and removed) must occur exactly once in its file and are replaced by its new lines."""
+    files = {}  # path -> list of (old lines, new lines)
+    path = None
+    hunk = None
+    for line in text.splitlines():
+        if line.startswith("+++ "):
+            path = line[4:].removeprefix("b/")
+            files.setdefault(path, [])
+            hunk = None
+        elif line.startswith("--- ") or line.startswith("diff --git") or line.startswith("index "):
+            hunk = None
+        elif line.startswith("@@"):
+            hunk = ([], [])
+            files[path].append(hunk)
+        elif hunk is not None and line[:1] in (" ", "-", "+"):
+            if line[0] != "+":
+                hunk[0].append(line[1:])
+            if line[0] != "-":
+                hunk[1].append(line[1:])
+        elif hunk is not None and line == "":  # an empty context line whose leading space was stripped
+            hunk[0].append("")
+            hunk[1].append("")
+    assert files, "no file in the diff"
+    for rel, hunks in files.items():
+        f = root / rel
+        s = f.read_text()
+        for old, new in hunks:
+            old_text, new_text = "\n".join(old) + "\n", "\n".join(new) + "\n"
+            assert s.count(old_text) == 1, (rel, s.count(old_text), old_text[:200])
+            s = s.replace(old_text, new_text)
+        f.write_text(s)
+
+
+def diff_file(name):
+    """FILE of a ``diff=FILE`` variant name, else None."""
+    return name.split("=", 1)[1] if name.startswith("diff=") else None
+
+
 def csrc_dir(name):
     """DIR of a ``csrc=DIR`` variant name, else None."""
     return name.split("=", 1)[1] if name.startswith("csrc=") else None
@@ -45,6 +91,8 @@ def variant_tree(name, root):
     if csrc_dir(name) is not None:
         shutil.rmtree(root / "csrc")
         shutil.copytree(SRC / csrc_dir(name), root / "csrc")
+    elif diff_file(name) is not None:
+        apply_diff(root, (SRC / diff_file(name)).read_text())
     else:
         for rel, old, new in VARIANTS[name]:
             patch(root, rel, old, new)
@@ -201,6 +249,16 @@ VARIANTS = {
             "scale_row != nullptr ? scale_row + ks : p.topk_weights, false);",
         ),
     ],
+    # The next task's index taken 8 stages before a task's end instead of 4: fp8 GEMM1 tasks are 6 stages issued
+    # at once, so today's reservation returns barely before it is needed (~1 us between tasks in the 2026-11-23
+    # traces). Reserving a whole tile ahead cost T = 1 its balance (kernel-notes.md); 8 is half an fp8 GEMM0 pass.
+    "reserve_ahead_8": [
+        (
+            "csrc/flashmoe/scheduler.cuh",
+            "constexpr int kReserveStages = 4;",
+            "constexpr int kReserveStages = 8;",
+        ),
+    ],
     # Numerically unsafe (GEMM1 may read activations before they are visible): the cost of the GEMM0 release.
     "no_fence": [
         (
@@ -269,10 +327,14 @@ def main():
     out = Path(sys.argv[2])
     runs: dict[str, int] = {}
     for name in sys.argv[3].split(","):
-        # File-safe run name: csrc=DIR runs are named after DIR's last component.
-        flat = re.sub(
-            r"[^A-Za-z0-9_.-]", "_", Path(csrc_dir(name)).name if csrc_dir(name) is not None else name
-        )
+        # File-safe run name: csrc=DIR runs are named after DIR's last component, diff=FILE runs after FILE's stem.
+        if csrc_dir(name) is not None:
+            label = Path(csrc_dir(name)).name
+        elif diff_file(name) is not None:
+            label = Path(diff_file(name)).stem
+        else:
+            label = name
+        flat = re.sub(r"[^A-Za-z0-9_.-]", "_", label)
         runs[flat] = runs.get(flat, 0) + 1  # a variant run twice (bracketing the others) keeps both files
         result = out / (f"var_{flat}.json" if runs[flat] == 1 else f"var_{flat}.run{runs[flat]}.json")
         root = variant_tree(name, Path("/tmp/var") / flat)
