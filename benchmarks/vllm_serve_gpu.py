@@ -169,7 +169,8 @@ RUN_ENV = {**FORCED_FALLBACK_ENV, "flashmoe_dp4_ep_dummy_work": {"FLASHMOE_SKIP_
 FORCED_FALLBACK_REASON = "FLASHMOE_BACKEND=fallback"
 FORCED_FALLBACK_DECLINE = f"flashmoe: flashmoe declines the MoE layers ({FORCED_FALLBACK_REASON}); using "
 FORCED_FALLBACK_LINE = (
-    FORCED_FALLBACK_DECLINE + "vLLM's DeepEP path (all2all_backend=deepep_high_throughput, moe_backend=auto)"
+    FORCED_FALLBACK_DECLINE
+    + "vLLM's DeepEP path (all2all_backend=deepep_high_throughput, moe_backend=auto; FLASHMOE_FALLBACK_ALL2ALL=deepep)"
 )
 # The multi-GPU machines have NVLink multicast off: vLLM's symmetric-memory all-reduce and its
 # FlashInfer all-reduce+RMSNorm fusion would try it (gpu-wheelhouse header); FA2 is not bundled.

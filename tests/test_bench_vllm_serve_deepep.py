@@ -206,9 +206,8 @@ def test_forced_fallback_run_is_recognised_from_the_adapters_line_and_counter(
 
     assert error("").startswith("the server did not log")
     elsewhere = log.replace("vLLM's DeepEP path (all2all_backend=deepep_high_throughput", "vLLM's default")
-    assert "; it logged " in error(elsewhere) and "using vLLM's default, moe_backend=auto)" in error(
-        elsewhere
-    )
+    assert "; it logged " in error(elsewhere)
+    assert "using vLLM's default, moe_backend=auto; FLASHMOE_FALLBACK_ALL2ALL=deepep)" in error(elsewhere)
     assert error(log, []).startswith("/metrics has no flashmoe_fallback_total")
     assert error(log + "\nflashmoe: MoE layers E=128 ... -> backend megakernel (sm_90)").startswith(
         "a MoE layer reported the megakernel"

@@ -131,7 +131,8 @@ def test_forced_fallback_takes_the_decline_path(plugins_loaded, tiny_model, flas
     assert cfg.kernel_config.moe_backend == "auto"
     assert cfg.parallel_config.all2all_backend == "allgather_reducescatter"
     assert [line for line in flashmoe_log if "declines" in line] == [
-        FORCED_LINE + "vLLM's default MoE path (all2all_backend=allgather_reducescatter, moe_backend=auto)"
+        FORCED_LINE + "vLLM's default MoE path (all2all_backend=allgather_reducescatter, moe_backend=auto; "
+        "deep_ep is not installed)"
     ]
     assert _fallback_count("FLASHMOE_BACKEND=fallback") == before + 1
 
@@ -160,37 +161,38 @@ def test_forced_fallback_takes_deepep_across_nodes_or_when_asked(
     monkeypatch.setenv("FLASHMOE_BACKEND", "fallback")
     monkeypatch.setitem(sys.modules, "deep_ep", types.ModuleType("deep_ep"))  # a stand-in that imports
     dp2 = dict(moe_backend="flashmoe", data_parallel_size=2, enable_expert_parallel=True)
-    deepep = FORCED_LINE + "vLLM's DeepEP path (all2all_backend=deepep_high_throughput, moe_backend=auto)"
+    deepep = FORCED_LINE + "vLLM's DeepEP path (all2all_backend=deepep_high_throughput, moe_backend=auto; "
     default = (
-        FORCED_LINE + "vLLM's default MoE path (all2all_backend=allgather_reducescatter, moe_backend=auto)"
+        FORCED_LINE + "vLLM's default MoE path (all2all_backend=allgather_reducescatter, moe_backend=auto; "
     )
 
     def decline():
-        return [line for line in flashmoe_log if "declines" in line][-1]
+        # One line per decision: the all-to-all and why it was chosen are in the decline's own line.
+        declines = [line for line in flashmoe_log if "declines" in line]
+        assert declines and not [line for line in flashmoe_log if "all-to-all:" in line]
+        return declines[-1]
 
     cfg = _engine_config(tiny_model, **dp2)  # one node
     assert cfg.parallel_config.all2all_backend == "allgather_reducescatter"
-    assert decline() == default
-    assert "the EP group is on one node" in flashmoe_log[-1]
+    assert decline().startswith(default) and "the EP group is on one node" in decline()
     cfg = _engine_config(tiny_model, data_parallel_size_local=1, **dp2)  # the other DP rank on another node
     assert (cfg.kernel_config.moe_backend, cfg.parallel_config.all2all_backend) == (
         "auto",
         "deepep_high_throughput",
     )
-    assert decline() == deepep
-    assert flashmoe_log[-1].endswith("deepep_high_throughput (the EP group spans nodes)")
+    assert decline() == deepep + "the EP group spans nodes)"
 
     monkeypatch.setenv("FLASHMOE_FALLBACK_ALL2ALL", "deepep")
     cfg = _engine_config(tiny_model, **dp2)
     assert cfg.parallel_config.all2all_backend == "deepep_high_throughput"
-    assert decline() == deepep
+    assert decline() == deepep + "FLASHMOE_FALLBACK_ALL2ALL=deepep)"
     cfg = _engine_config(tiny_model, all2all_backend="deepep_low_latency", **dp2)
     assert cfg.parallel_config.all2all_backend == "deepep_low_latency"
-    assert (
+    assert (  # the user's own all-to-all: nothing was ours to pick, so no reason
         decline()
         == FORCED_LINE + "vLLM's default MoE path (all2all_backend=deepep_low_latency, moe_backend=auto)"
     )
     monkeypatch.setenv("FLASHMOE_FALLBACK_ALL2ALL", "default")
     cfg = _engine_config(tiny_model, data_parallel_size_local=1, **dp2)
     assert cfg.parallel_config.all2all_backend == "allgather_reducescatter"
-    assert decline() == default
+    assert decline() == default + "FLASHMOE_FALLBACK_ALL2ALL=default)"

@@ -159,12 +159,12 @@ def _fall_back(what: str, reason: str, parallel) -> Fallback:
     deepep, why = fallback_uses_deepep(compat.ep_spans_nodes(parallel)) if ours else (False, "")
     if deepep:
         all2all = compat.DEEPEP_ALL2ALL_BACKEND
-        chosen = f"vLLM's DeepEP path (all2all_backend={all2all}, moe_backend=auto)"
+        chosen = f"vLLM's DeepEP path (all2all_backend={all2all}, moe_backend=auto"
     else:
-        chosen = f"vLLM's default MoE path (all2all_backend={parallel.all2all_backend}, moe_backend=auto)"
+        chosen = f"vLLM's default MoE path (all2all_backend={parallel.all2all_backend}, moe_backend=auto"
+    # Why that all-to-all, where it was ours to pick (SGLang's adapter says it the same way).
+    chosen += f"; {why})" if why else ")"
     logger.warning("flashmoe: %s (%s); using %s", what, reason, chosen)
-    if ours:
-        logger.info("flashmoe: the fallback's all-to-all: %s (%s)", all2all or parallel.all2all_backend, why)
     return Fallback(reason, all2all)
 
 
