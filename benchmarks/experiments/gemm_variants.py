@@ -249,6 +249,30 @@ VARIANTS = {
             "scale_row != nullptr ? scale_row + ks : p.topk_weights, false);",
         ),
     ],
+    # fp8, numerically wrong, timing only: an upper bound for two consumer warpgroups sharing each 32-token tile
+    # by alternate stages (each drains and promotes while the other's wgmmas run). Both warpgroups compute every
+    # ping-pong fp8 tile, each over every other K step into its own sums, and both run the tile's epilogue; the
+    # cross-warpgroup sum a real version needs is left out (and split T = 1 tasks race on their slot: read T >= 8).
+    "fp8_interleave_bound": [
+        (
+            "csrc/flashmoe/tasks.cuh",
+            "    if (ping_pong(task.tile_tokens, kFp8) && (ping_pong_tiles++ & 1) != consumer) {",
+            "    if (!kFp8 && ping_pong(task.tile_tokens, kFp8) && (ping_pong_tiles++ & 1) != consumer) {",
+        ),
+        (
+            "csrc/flashmoe/gemm.cuh",
+            "    for (int i = 0; i < N / 2; ++i) acc[h][i] = 0.f;\n  int ks = 0;\n  do {\n    wait_stage_full(p, g, st, ks);",
+            "    for (int i = 0; i < N / 2; ++i) acc[h][i] = 0.f;\n  constexpr bool interleave = kHalves == 2;\n"
+            "  int ks = 0;\n  if (interleave && consumer == 1) {\n    st.advance();\n    ks = 1;\n  }\n"
+            "  do {\n    wait_stage_full(p, g, st, ks);",
+        ),
+        (
+            "csrc/flashmoe/gemm.cuh",
+            "    st.advance();\n  } while (++ks < k_steps);\n}\n\n// Named barrier",
+            "    st.advance();\n    if (interleave && ks + 1 < k_steps) {\n      st.advance();\n      ++ks;\n    }\n"
+            "  } while (++ks < k_steps);\n}\n\n// Named barrier",
+        ),
+    ],
     # The next task's index taken 8 stages before a task's end instead of 4: fp8 GEMM1 tasks are 6 stages issued
     # at once, so today's reservation returns barely before it is needed (~1 us between tasks in the 2026-11-23
     # traces). Reserving a whole tile ahead cost T = 1 its balance (kernel-notes.md); 8 is half an fp8 GEMM0 pass.
