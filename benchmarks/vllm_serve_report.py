@@ -4,10 +4,10 @@
         --json benchmarks/results/<date>-h200x4-vllm-serve.json --readme benchmarks/README.md
 
 Reads runs of both kinds: one wave per concurrency (before `vllm bench serve`) and `vllm bench
-serve` levels (repeats, their spread, p99). Several files of one run (the same run name, e.g. two server starts
-in one session to see how much a start moves the numbers) are pooled into one run: each level's repeats are
-those of every start, summarised again, and the starts' greedy token ids are compared with the first's. Writes the merged JSON (every run, plus the comparisons),
-a PNG beside it (output tokens/s and time per output token against concurrency, one line per run)
+serve` levels (repeats, their spread, p99). Several files of one run (the same run name, e.g. two server
+starts in one session to see how much a start moves the numbers) are pooled into one run: each level's
+repeats are those of every start, summarised again, and the later starts' greedy token ids are compared with
+the first's. Writes the merged JSON (every run, plus the comparisons), a PNG beside it (output tokens/s and time per output token against concurrency, one line per run)
 and, with ``--readme``, the README section between the vllm-serve markers. Runs made with
 ``--profile-levels`` add one table per profiled level to the section: where a decode step's GPU time
 goes (``moe_bench/step_profile.py``).

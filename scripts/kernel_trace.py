@@ -2,6 +2,7 @@
 
     python scripts/kernel_trace.py --shape qwen3-30b/ep4 --tokens 1,8,128,4096 --out /tmp/trace.json
     torchrun --nproc-per-node 4 scripts/kernel_trace.py --tokens 8 --out /tmp/trace.json   # EP4: one JSON per rank
+    python scripts/kernel_trace.py --reanalyse /tmp/trace.json   # a --raw trace printed again, no GPU needed
 
 `--dtype fp8` traces the block-fp8 kernel (e4m3 weights with 128 x 128 block scales) the same way.
 
@@ -17,8 +18,9 @@ launch, writes `<out>.rank<r>.json`, and rank 0 prints; the output is not checke
 matrix covers EP). Each launch reads weights no earlier launch of the run touched recently (several weight sets, rotated), so the
 traced launch streams from HBM as in serving. The traced launch is checked against the same-rounding
 reference. Printed per token count: the phase ends over blocks, and per kind of tile (GEMM, token width)
-the median time of each part of a tile and the bytes per SM per microsecond it streamed; the JSON keeps every
-event. The trace build reads timers around every pipeline wait, so its times are a little longer than the
+the median time of each part of a tile and the bytes per SM per microsecond it streamed, then the streaming
+timeline (per 2 us: weight bytes issued and how many SMs were issuing GEMM0 and GEMM1 tiles); with --raw the
+JSON keeps every event. The trace build reads timers around every pipeline wait, so its times are a little longer than the
 plain build's; compare parts within one trace, and totals with kernel_check.py.
 """
 
