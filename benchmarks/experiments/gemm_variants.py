@@ -5,6 +5,9 @@ scripts/kernel_check.py --time-only (a variant's numerics may be wrong: it answe
     python benchmarks/experiments/gemm_variants.py "adhoc:1" OUT_DIR base,csrc=DIR --adhoc 32,2,2048,768,1,uniform
     python benchmarks/experiments/gemm_variants.py "qwen3-30b/ep4:8" OUT_DIR base,diff=benchmarks/experiments/diffs/smem_base.diff
 
+``--apply FILE...`` applies kept diffs to the checkout itself, for checks on a device (whose checkout is laid anew
+at every call): ``python benchmarks/experiments/gemm_variants.py --apply benchmarks/experiments/diffs/X.diff``.
+
 A ``diff=FILE`` variant applies a unified diff (``git diff`` of csrc/) to the copy: kernel changes written without
 a GPU travel to the next device session as files under ``diffs/`` (the branches of a session do not survive it).
 Its hunks must match the checkout exactly (no fuzz), like the patches below; tests/test_bench_gemm_variants.py
@@ -347,6 +350,13 @@ VARIANTS = {
 
 
 def main():
+    if sys.argv[1:2] == [
+        "--apply"
+    ]:  # a kept diff applied to this checkout in place (a device's disposable copy)
+        for path in sys.argv[2:]:
+            apply_diff(SRC, (SRC / path).read_text())
+            print(f"applied {path}")
+        return
     timings = sys.argv[1]
     out = Path(sys.argv[2])
     runs: dict[str, int] = {}
