@@ -25,6 +25,9 @@ Runs (``--runs``, in order; each starts ``vllm.entrypoints.openai.api_server`` o
                               vLLM 0.26 runs it without CUDA graphs); the run fails unless the server logged
                               the decline line and counted it in flashmoe_fallback_total
 
+A run named again in ``--runs`` is a second server start of it (files ``vllm_<run>.start2.*``);
+``vllm_serve_report.py`` pools a run's starts into one run (each level's repeats are every start's).
+
 ``--deepep-wheel``: the deep_ep wheel of ``scripts/build-deepep.sh`` (carried as ``.carry/deepep/``), unzipped
 into ``--site`` once; ``NVSHMEM``'s host library is put on the servers' ``LD_LIBRARY_PATH`` (the wheel's RUNPATH
 points at a build-time path), and the runs that need deep_ep fail with the import error if it does not load.
@@ -699,7 +702,19 @@ def log_lines(text: str) -> list[str]:
     return [line[-400:] for line in text.splitlines() if any(k in line for k in keys)][:80]
 
 
-def run_one(name: str, args, model: Path) -> dict:
+def start_stems(runs: list[str]) -> list[tuple[str, str]]:
+    """(run, file stem) per server start: a run named again in --runs is started again (e.g. A,B,B,A, so each
+    path's two starts bracket the other's) and its files get a start number; vllm_serve_report.py pools the
+    starts of a run into one run, each level's repeats being every start's."""
+    seen: dict[str, int] = {}
+    out = []
+    for name in runs:
+        seen[name] = seen.get(name, 0) + 1
+        out.append((name, f"vllm_{name}" if seen[name] == 1 else f"vllm_{name}.start{seen[name]}"))
+    return out
+
+
+def run_one(name: str, args, model: Path, stem: str | None = None) -> dict:
     parallel, backend = RUNS[name]
     if name in DEEPEP_RUNS and args.deep_ep_missing:
         raise RuntimeError(f"{name} needs deep_ep: {args.deep_ep_missing}")
@@ -727,7 +742,7 @@ def run_one(name: str, args, model: Path) -> dict:
     if backend == "flashmoe":
         env["FLASHMOE_STRICT"] = "1"  # a fallback would make the comparison meaningless
     env.update(RUN_ENV.get(name, {}))
-    log = args.out / f"vllm_{name}.log"
+    log = args.out / f"{stem or 'vllm_' + name}.log"
     server = VLLMServer(
         model, vargs, moe_backend=backend, env=env, log_path=log, startup_timeout=args.startup_timeout
     )
@@ -935,19 +950,19 @@ def main() -> int:
             "profiler trace summarised by benchmarks/moe_bench/step_profile.py (decode steps between full "
             "CUDA-graph replays), traces deleted"
         )
-    for name in args.runs.split(","):
+    for name, stem in start_stems(args.runs.split(",")):
         left = (args.deadline_s or 1e9) - (time.monotonic() - t_start)
         if left < args.run_estimate_s:
             print(f"{name}: skipped, {left:.0f} s left (estimate {args.run_estimate_s:.0f} s)", flush=True)
             continue
         try:
-            row = run_one(name, args, args.model_dir)
+            row = run_one(name, args, args.model_dir, stem)
         except Exception as e:  # noqa: BLE001 - recorded, the next run still goes
-            log = args.out / f"vllm_{name}.log"
+            log = args.out / f"{stem}.log"
             row = {"run": name, "error": f"{type(e).__name__}: {e}"[-3000:]}
             if log.exists():
                 row["log"] = log_lines(log.read_text(errors="replace"))
-        (args.out / f"vllm_{name}.json").write_text(json.dumps({**meta, **row}, indent=1))
+        (args.out / f"{stem}.json").write_text(json.dumps({**meta, **row}, indent=1))
         print(
             f"{name}: {'ERROR ' + row['error'][-600:] if row.get('error') else 'done'} ({time.monotonic() - t_start:.0f} s)",
             flush=True,

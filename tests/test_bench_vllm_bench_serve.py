@@ -110,3 +110,15 @@ def test_short_real_run_against_vllm_cpu(tmp_path):
         assert 0 < level[f"{metric}_median_ms"] <= level[f"{metric}_p99_ms"]
     raw = json.loads((tmp_path / "bench-c2-r1.json").read_text())
     assert raw["max_concurrency"] == 2 and raw["num_prompts"] == 8
+
+
+def test_a_run_named_again_is_a_second_start_with_its_own_files():
+    stems = serve.start_stems(
+        ["flashmoe_dp4_ep", "vllm_dp4_ep_triton", "vllm_dp4_ep_triton", "flashmoe_dp4_ep"]
+    )
+    assert stems == [
+        ("flashmoe_dp4_ep", "vllm_flashmoe_dp4_ep"),
+        ("vllm_dp4_ep_triton", "vllm_vllm_dp4_ep_triton"),
+        ("vllm_dp4_ep_triton", "vllm_vllm_dp4_ep_triton.start2"),
+        ("flashmoe_dp4_ep", "vllm_flashmoe_dp4_ep.start2"),
+    ]
