@@ -72,3 +72,13 @@ def test_a_diff_whose_context_moved_is_refused(gemm_variants, tmp_path):
     assert (tmp_path / "a.cuh").read_text() == "one\nTWO\nthree\n"
     with pytest.raises(AssertionError):  # the old lines are no longer there
         gemm_variants.apply_diff(tmp_path, ok)
+
+
+def test_trace_option_is_taken_out_of_kernel_checks_arguments(gemm_variants):
+    assert gemm_variants.trace_option(["--dtype", "fp8"]) == (None, ["--dtype", "fp8"])
+    assert gemm_variants.trace_option(["--dtype", "fp8", "--trace", "8,128", "--replays", "5"]) == (
+        "8,128",
+        ["--dtype", "fp8", "--replays", "5"],
+    )
+    with pytest.raises(SystemExit):
+        gemm_variants.trace_option(["--trace"])

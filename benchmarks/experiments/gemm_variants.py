@@ -13,9 +13,11 @@ a GPU travel to the next device session as files under ``diffs/`` (the branches 
 Its hunks must match the checkout exactly (no fuzz), like the patches below; tests/test_bench_gemm_variants.py
 checks that every file in ``diffs/`` still applies.
 
-Arguments after the variant list go to kernel_check.py as they are. Each run leaves OUT_DIR/var_<name>.json
-(a second run of the same variant: var_<name>.run2.json; a csrc=DIR run is named after DIR's last component);
-benchmarks/experiments/variants_report.py tabulates them.
+Arguments after the variant list go to kernel_check.py as they are, except ``--trace T,T``: each variant's first
+run is then also traced at those token counts on the first shape (scripts/kernel_trace.py --raw into
+OUT_DIR/trace_<name>.json; ``kernel_trace.py --reanalyse`` prints its tiles and streaming timeline). Each run leaves
+OUT_DIR/var_<name>.json (a second run of the same variant: var_<name>.run2.json; a csrc=DIR run is named after
+DIR's last component, a diff=FILE run after FILE's stem); benchmarks/experiments/variants_report.py tabulates them.
 
 Run from the repository root; each variant is built from /tmp/var/<name> (its own JIT cache key).
 """
@@ -349,16 +351,28 @@ VARIANTS = {
 }
 
 
+def trace_option(args: list[str]) -> tuple[str | None, list[str]]:
+    """``--trace T,T`` taken out of the arguments meant for kernel_check.py: (token counts to trace, the rest)."""
+    if "--trace" not in args:
+        return None, args
+    i = args.index("--trace")
+    if i + 1 >= len(args):
+        raise SystemExit("gemm_variants: --trace needs token counts, e.g. --trace 8,128")
+    return args[i + 1], args[:i] + args[i + 2 :]
+
+
 def main():
     if sys.argv[1:2] == [
         "--apply"
-    ]:  # a kept diff applied to this checkout in place (a device's disposable copy)
+    ]:  # kept diffs applied to this checkout in place (a device's disposable copy)
         for path in sys.argv[2:]:
             apply_diff(SRC, (SRC / path).read_text())
             print(f"applied {path}")
         return
     timings = sys.argv[1]
     out = Path(sys.argv[2])
+    trace_tokens, check_args = trace_option(sys.argv[4:])
+    dtype = check_args[check_args.index("--dtype") + 1] if "--dtype" in check_args else "bf16"
     runs: dict[str, int] = {}
     for name in sys.argv[3].split(","):
         # File-safe run name: csrc=DIR runs are named after DIR's last component, diff=FILE runs after FILE's stem.
@@ -370,7 +384,7 @@ def main():
             label = name
         flat = re.sub(r"[^A-Za-z0-9_.-]", "_", label)
         runs[flat] = runs.get(flat, 0) + 1  # a variant run twice (bracketing the others) keeps both files
-        result = out / (f"var_{flat}.json" if runs[flat] == 1 else f"var_{flat}.run{runs[flat]}.json")
+        run = f"var_{flat}" if runs[flat] == 1 else f"var_{flat}.run{runs[flat]}"
         root = variant_tree(name, Path("/tmp/var") / flat)
         env = dict(os.environ, PYTHONPATH=str(root / "plugin"))
         r = subprocess.run(
@@ -381,12 +395,12 @@ def main():
                 "--timings",
                 timings,
                 "--out",
-                str(result),
+                str(out / f"{run}.json"),
                 "--replays",
                 "20",
                 "--commit",
                 "variant-" + name,
-                *sys.argv[4:],
+                *check_args,
             ],
             env=env,
             capture_output=True,
@@ -398,6 +412,33 @@ def main():
         print("\n".join(lines) if lines else r.stdout[-1500:], flush=True)
         if r.returncode:
             print(r.stderr[-2500:], flush=True)
+        if trace_tokens and runs[flat] == 1:
+            # The variant's tile timeline too (kernel_trace.py --raw, the first shape of the timings): why it is
+            # faster or slower, not only by how much. kernel_trace.py --reanalyse prints it again.
+            shape = timings.split(";")[0].split(":")[0]
+            t = subprocess.run(
+                [
+                    sys.executable,
+                    str(root / "scripts/kernel_trace.py"),
+                    "--dtype",
+                    dtype,
+                    "--shape",
+                    shape,
+                    "--tokens",
+                    trace_tokens,
+                    "--raw",
+                    "--out",
+                    str(out / f"trace_{flat}.json"),
+                ],
+                env=env,
+                capture_output=True,
+                text=True,
+                cwd=root,
+            )
+            summary = [l for l in t.stdout.splitlines() if l.startswith("==") or "GEMM phase" in l]
+            print(f"   trace rc {t.returncode}: " + " | ".join(summary)[:600], flush=True)
+            if t.returncode:
+                print(t.stderr[-1500:], flush=True)
 
 
 if __name__ == "__main__":
