@@ -154,6 +154,24 @@ def wait_or_report(moe, seconds: float = float(os.environ.get("KERNEL_CHECK_HANG
         time.sleep(0.01)
 
 
+def repeat_diagnosis(out, again, ref, ids) -> dict:
+    """Where two calls with the same inputs differ: how many elements and token rows, the largest difference,
+    each call's error against the same-rounding reference (the odd one out is the call that went wrong), and the
+    experts of the first differing rows (a race in one tile shows as rows sharing an expert)."""
+    diff = (out.float() - again.float()).abs()
+    rows = torch.nonzero(diff.amax(dim=1) > 0).flatten()
+    first = rows[:8].tolist()
+    return dict(
+        differing_elements=int((out.view(torch.int16) != again.view(torch.int16)).sum()),
+        differing_rows=int(rows.numel()),
+        first_differing_rows=first,
+        their_experts=[ids[r].tolist() for r in first],
+        max_abs_diff=float(diff.max()),
+        first_call_vs_ref=error_stats(out, ref).rel_fro,
+        second_call_vs_ref=error_stats(again, ref).rel_fro,
+    )
+
+
 def check(gen, device, only: int | None = None, fp8: bool = False) -> list[dict]:
     rows = []
     for i, (shape, T, kind) in enumerate(CHECKS):
@@ -197,6 +215,9 @@ def check(gen, device, only: int | None = None, fp8: bool = False) -> list[dict]
                 nonfinite=s_ref.nonfinite,
             )
         )
+        if not bitwise:
+            rows[-1]["repeat"] = repeat_diagnosis(out, again, ref, ids)
+            print(f"  not repeated: {rows[-1]['repeat']}", flush=True)
         print(
             f"check {'fp8 ' if fp8 else ''}{shape:15s} T={T:5d} {kind:10s} oracle {s_orc.rel_fro:.2e} row {s_orc.max_row_rel:.2e} "
             f"same-rounding {s_ref.rel_fro:.2e} row {s_ref.max_row_rel:.2e} bitwise={bitwise} "
