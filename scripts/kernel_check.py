@@ -49,7 +49,7 @@ from moe_bench.results import git_commit  # noqa: E402
 from moe_bench.serving import capture, l2_bytes, layers_for  # noqa: E402
 from moe_bench.timing import CallTimes  # noqa: E402
 from moe_inputs import random_fp8_expert_weights, random_grouped_hidden  # noqa: E402
-from tolerances import error_stats, within_kernel_budgets  # noqa: E402
+from tolerances import error_stats, repeat_difference, within_kernel_budgets  # noqa: E402
 
 MAX_TOKENS = 8192
 # (name, E, k, H, I): per-rank expert counts of EP4 for the three model shapes, and odd shapes.
@@ -154,24 +154,6 @@ def wait_or_report(moe, seconds: float = float(os.environ.get("KERNEL_CHECK_HANG
         time.sleep(0.01)
 
 
-def repeat_diagnosis(out, again, ref, ids) -> dict:
-    """Where two calls with the same inputs differ: how many elements and token rows, the largest difference,
-    each call's error against the same-rounding reference (the odd one out is the call that went wrong), and the
-    experts of the first differing rows (a race in one tile shows as rows sharing an expert)."""
-    diff = (out.float() - again.float()).abs()
-    rows = torch.nonzero(diff.amax(dim=1) > 0).flatten()
-    first = rows[:8].tolist()
-    return dict(
-        differing_elements=int((out.view(torch.int16) != again.view(torch.int16)).sum()),
-        differing_rows=int(rows.numel()),
-        first_differing_rows=first,
-        their_experts=[ids[r].tolist() for r in first],
-        max_abs_diff=float(diff.max()),
-        first_call_vs_ref=error_stats(out, ref).rel_fro,
-        second_call_vs_ref=error_stats(again, ref).rel_fro,
-    )
-
-
 def check(gen, device, only: int | None = None, fp8: bool = False) -> list[dict]:
     rows = []
     for i, (shape, T, kind) in enumerate(CHECKS):
@@ -216,7 +198,7 @@ def check(gen, device, only: int | None = None, fp8: bool = False) -> list[dict]
             )
         )
         if not bitwise:
-            rows[-1]["repeat"] = repeat_diagnosis(out, again, ref, ids)
+            rows[-1]["repeat"] = repeat_difference(out, again, ref, ids)
             print(f"  not repeated: {rows[-1]['repeat']}", flush=True)
         print(
             f"check {'fp8 ' if fp8 else ''}{shape:15s} T={T:5d} {kind:10s} oracle {s_orc.rel_fro:.2e} row {s_orc.max_row_rel:.2e} "

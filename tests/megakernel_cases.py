@@ -70,7 +70,7 @@ from moe_inputs import (
     storage_order,
 )
 from multiproc import RanksTimedOut, apply_rank_env, run_ranks
-from tolerances import WEIGHT_DTYPES, ErrorStats, error_stats, kernel_budgets
+from tolerances import WEIGHT_DTYPES, ErrorStats, error_stats, kernel_budgets, repeat_difference
 
 CHECKS = ("matrix", "graph", "determinism", "stress", "put", "nodes", "padding", "timeout")
 
@@ -579,13 +579,17 @@ def check_determinism(
             case = build_rank_case(cfg, ctx.world, ctx.rank, ctx.device)
             layer = make_layer(ctx, case, f"determinism{cfg.index}_{dtype}")
             first = run_layer(layer, *case.inputs, **case.scales)
-            differing = sum(
-                not torch.equal(run_layer(layer, *case.inputs, **case.scales), first)
-                for _ in range(repeats - 1)
-            )
+            reference = case.reference()
+            differing, where = 0, None
+            for _ in range(repeats - 1):
+                again = run_layer(layer, *case.inputs, **case.scales)
+                if not torch.equal(again, first):
+                    differing += 1
+                    where = where or repeat_difference(first, again, reference, case.topk_ids)
             ctx.sync()
-            stats = {"ref": error_stats(first, case.reference())}
-            return stats, differing == 0, {"repeats_differing": differing}
+            stats = {"ref": error_stats(first, reference)}
+            extra = {"repeats_differing": differing} | ({"first_difference": where} if where else {})
+            return stats, differing == 0, extra
 
         records.append(guarded(ctx, record, body, cfg.budgets(("ref",))))
     return records
@@ -611,13 +615,19 @@ def check_variant(
             normal = make_layer(ctx, case, f"{check}{cfg.index}_{dtype}_normal")
             variant = make_layer(ctx, case, f"{check}{cfg.index}_{dtype}_variant", env)
             expected = run_layer(normal, *case.inputs, **case.scales)
-            differing = sum(
-                not torch.equal(run_layer(variant, *case.inputs, **case.scales), expected)
-                for _ in range(repeats)
-            )
+            reference = case.reference()
+            differing, where = 0, None
+            for _ in range(repeats):
+                got = run_layer(variant, *case.inputs, **case.scales)
+                if not torch.equal(got, expected):
+                    differing += 1
+                    where = where or repeat_difference(expected, got, reference, case.topk_ids)
             ctx.sync()
-            stats = {"ref": error_stats(expected, case.reference())}
-            return stats, differing == 0, {"runs_differing": differing, "runs": repeats}
+            stats = {"ref": error_stats(expected, reference)}
+            extra = {"runs_differing": differing, "runs": repeats} | (
+                {"first_difference": where} if where else {}
+            )
+            return stats, differing == 0, extra
 
         records.append(guarded(ctx, record, body, cfg.budgets(("ref",))))
     return records

@@ -191,6 +191,27 @@ def error_stats(out: torch.Tensor, ref: torch.Tensor) -> ErrorStats:
     )
 
 
+def repeat_difference(
+    first: torch.Tensor, other: torch.Tensor, ref: torch.Tensor, ids: torch.Tensor | None = None
+) -> dict:
+    """Where two calls that should repeat bit for bit differ: how many elements and token rows, the largest
+    difference, each call's error against ``ref`` (the odd one out is the call that went wrong) and, given the
+    routing ``ids``, the experts of the first differing rows (a race in one tile shows as rows sharing an expert)."""
+    diff = (first.double() - other.double()).abs()
+    rows = torch.nonzero(diff.amax(dim=1) > 0).flatten()
+    out = {
+        "differing_elements": int((first.view(torch.int16) != other.view(torch.int16)).sum()),
+        "differing_rows": int(rows.numel()),
+        "first_differing_rows": rows[:8].tolist(),
+        "max_abs_diff": float(diff.max()) if diff.numel() else 0.0,
+        "first_call_vs_ref": error_stats(first, ref).rel_fro,
+        "other_call_vs_ref": error_stats(other, ref).rel_fro,
+    }
+    if ids is not None:
+        out["their_experts"] = [ids[r].tolist() for r in rows[:8].tolist()]
+    return out
+
+
 def assert_within(
     out: torch.Tensor, ref: torch.Tensor, rel_fro: float, row_rel: float, what: str
 ) -> ErrorStats:
