@@ -844,16 +844,20 @@ def read_rank_lines(out_dir: Path, world: int) -> list[dict]:
 
 def merge_records(lines: list[dict]) -> list[dict]:
     """One record per (check, dtype, index): the global numbers (identical on every rank after the
-    all-reduce) from the lowest rank, pass only if every rank passed, every rank's error listed."""
+    all-reduce) from the lowest rank, pass only if every rank passed, every rank's error and failed repeat
+    (``first_difference``) listed by rank."""
     merged: dict[tuple, dict] = {}
     for line in sorted(lines, key=lambda r: r["rank"]):
         key = (line["check"], line.get("dtype"), line.get("index"))
-        rec = merged.setdefault(
-            key, {**{k: v for k, v in line.items() if k not in ("rank", "rank_error")}, "errors": {}}
-        )
+        per_rank = ("rank", "rank_error", "first_difference")
+        rec = merged.setdefault(key, {**{k: v for k, v in line.items() if k not in per_rank}, "errors": {}})
         rec["passed"] = rec["passed"] and line["passed"]
         if line.get("rank_error"):
             rec["errors"][str(line["rank"])] = line["rank_error"]
+        if line.get(
+            "first_difference"
+        ):  # where this rank's output failed to repeat (tolerances.repeat_difference)
+            rec.setdefault("first_difference_by_rank", {})[str(line["rank"])] = line["first_difference"]
     return list(merged.values())
 
 

@@ -296,6 +296,12 @@ def test_merged_record_fails_when_any_rank_fails():
     # The same check and index in the other dtype is another record.
     both = merge_records([{**line, "rank": 0}, {**line, "rank": 0, "dtype": "fp8", "passed": False}])
     assert [(r["dtype"], r["passed"]) for r in both] == [("bf16", True), ("fp8", False)]
+    # A rank whose output failed to repeat keeps its own diagnosis.
+    where = {"differing_rows": 2, "first_differing_rows": [5, 9]}
+    det = merge_records(
+        [{**line, "rank": 0}, {**line, "rank": 1, "passed": False, "first_difference": where}]
+    )
+    assert det[0]["first_difference_by_rank"] == {"1": where} and "first_difference" not in det[0]
 
 
 def _status_message(rank: int, peer: int, phase: int) -> str:
