@@ -63,3 +63,36 @@ def test_a_startup_timeout_says_whether_the_server_was_still_compiling(tmp_path)
             with server:
                 pass
         assert server.proc.poll() is not None  # stopped, its group with it
+
+
+def test_a_startup_timeout_names_the_compilers_still_running(tmp_path):
+    """compilers_note reads the server's process session from /proc: two processes named like JIT tools (copies
+    of `sleep`) in a session of their own are counted by name; once they are gone, the note says so."""
+    import os
+    import shutil
+    import signal
+    import time
+    from pathlib import Path
+
+    from flashmoe.demo.server import compilers_note, session_commands
+
+    sleep = shutil.which("sleep")
+    if sleep is None or not Path("/proc/self/stat").exists():
+        pytest.skip("needs Linux /proc and sleep")
+    for name in ("ninja", "nvcc"):
+        shutil.copy(sleep, tmp_path / name)
+    script = f"'{tmp_path / 'ninja'}' 30 & '{tmp_path / 'nvcc'}' 30 & wait"
+    shell = subprocess.Popen(["sh", "-c", script], start_new_session=True)  # its pid is the session's id
+    try:
+        deadline = time.monotonic() + 10
+        while not {"ninja", "nvcc"} <= set(session_commands(shell.pid)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        note = compilers_note(shell.pid)
+        assert "ninja x1" in note and "nvcc x1" in note and "a JIT build had not finished" in note, note
+    finally:
+        os.killpg(shell.pid, signal.SIGKILL)
+        shell.wait()
+    deadline = time.monotonic() + 10  # killed: gone, or zombies until reaped (not counted)
+    while compilers_note(shell.pid) != "no compiler was running in the server's processes":
+        assert time.monotonic() < deadline, compilers_note(shell.pid)
+        time.sleep(0.05)

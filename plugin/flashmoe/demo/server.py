@@ -17,6 +17,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections import Counter
 from pathlib import Path
 
 from .. import config
@@ -27,7 +28,8 @@ JIT_TOOLS = frozenset({"ninja", "nvcc", "cicc", "ptxas", "cudafe++", "cc1plus", 
 
 
 def session_commands(session_id: int) -> list[str]:
-    """Command names of the live processes in session ``session_id`` (Linux ``/proc``; empty elsewhere)."""
+    """Command names of the live processes in session ``session_id`` (Linux ``/proc``; empty elsewhere; exited
+    processes not yet reaped are left out)."""
     names = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -36,17 +38,14 @@ def session_commands(session_id: int) -> list[str]:
             continue
         # "pid (comm) state ppid pgrp session ...": comm may hold spaces and parentheses
         comm, rest = text[text.index("(") + 1 : text.rindex(")")], text[text.rindex(")") + 2 :].split()
-        if len(rest) > 3 and int(rest[3]) == session_id:
+        if len(rest) > 3 and int(rest[3]) == session_id and rest[0] != "Z":  # a zombie runs nothing
             names.append(comm)
     return names
 
 
 def compilers_note(session_id: int) -> str:
     """One line: which JIT tools run in the session now (how many of each), or that none does."""
-    counts: dict[str, int] = {}
-    for name in session_commands(session_id):
-        if name in JIT_TOOLS:
-            counts[name] = counts.get(name, 0) + 1
+    counts = Counter(name for name in session_commands(session_id) if name in JIT_TOOLS)
     if not counts:
         return "no compiler was running in the server's processes"
     tools = ", ".join(f"{n} x{c}" for n, c in sorted(counts.items()))
