@@ -854,9 +854,8 @@ def merge_records(lines: list[dict]) -> list[dict]:
         rec["passed"] = rec["passed"] and line["passed"]
         if line.get("rank_error"):
             rec["errors"][str(line["rank"])] = line["rank_error"]
-        if line.get(
-            "first_difference"
-        ):  # where this rank's output failed to repeat (tolerances.repeat_difference)
+        # Where this rank's output failed to repeat (tolerances.repeat_difference).
+        if line.get("first_difference"):
             rec.setdefault("first_difference_by_rank", {})[str(line["rank"])] = line["first_difference"]
     return list(merged.values())
 
