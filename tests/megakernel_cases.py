@@ -567,6 +567,18 @@ def check_graph(
     return guarded(ctx, record, body, cfg.budgets(("ref",)))
 
 
+def runs_differing(layer, case: RankCase, expected: torch.Tensor, reference: torch.Tensor, runs: int):
+    """Call ``layer`` on ``case``'s inputs ``runs`` times: how many outputs differ from ``expected`` in any bit,
+    and where the first one did (``{"first_difference": tolerances.repeat_difference(...)}``, or ``{}``)."""
+    differing, where = 0, {}
+    for _ in range(runs):
+        got = run_layer(layer, *case.inputs, **case.scales)
+        if not torch.equal(got, expected):
+            differing += 1
+            where = where or {"first_difference": repeat_difference(expected, got, reference, case.topk_ids)}
+    return differing, where
+
+
 def check_determinism(
     ctx: RankContext, seed: int, tiny: bool = False, dtype: str = "bf16", repeats: int = 5
 ) -> list[dict]:
@@ -580,16 +592,10 @@ def check_determinism(
             layer = make_layer(ctx, case, f"determinism{cfg.index}_{dtype}")
             first = run_layer(layer, *case.inputs, **case.scales)
             reference = case.reference()
-            differing, where = 0, None
-            for _ in range(repeats - 1):
-                again = run_layer(layer, *case.inputs, **case.scales)
-                if not torch.equal(again, first):
-                    differing += 1
-                    where = where or repeat_difference(first, again, reference, case.topk_ids)
+            differing, where = runs_differing(layer, case, first, reference, repeats - 1)
             ctx.sync()
             stats = {"ref": error_stats(first, reference)}
-            extra = {"repeats_differing": differing} | ({"first_difference": where} if where else {})
-            return stats, differing == 0, extra
+            return stats, differing == 0, {"repeats_differing": differing, **where}
 
         records.append(guarded(ctx, record, body, cfg.budgets(("ref",))))
     return records
@@ -616,18 +622,10 @@ def check_variant(
             variant = make_layer(ctx, case, f"{check}{cfg.index}_{dtype}_variant", env)
             expected = run_layer(normal, *case.inputs, **case.scales)
             reference = case.reference()
-            differing, where = 0, None
-            for _ in range(repeats):
-                got = run_layer(variant, *case.inputs, **case.scales)
-                if not torch.equal(got, expected):
-                    differing += 1
-                    where = where or repeat_difference(expected, got, reference, case.topk_ids)
+            differing, where = runs_differing(variant, case, expected, reference, repeats)
             ctx.sync()
             stats = {"ref": error_stats(expected, reference)}
-            extra = {"runs_differing": differing, "runs": repeats} | (
-                {"first_difference": where} if where else {}
-            )
-            return stats, differing == 0, extra
+            return stats, differing == 0, {"runs_differing": differing, "runs": repeats, **where}
 
         records.append(guarded(ctx, record, body, cfg.budgets(("ref",))))
     return records
