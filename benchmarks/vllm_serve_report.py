@@ -7,7 +7,8 @@ Reads runs of both kinds: one wave per concurrency (before `vllm bench serve`) a
 serve` levels (repeats, their spread, p99). Several files of one run (the same run name, e.g. two server
 starts in one session to see how much a start moves the numbers) are pooled into one run: each level's
 repeats are those of every start, summarised again, and the later starts' greedy token ids are compared with
-the first's. Writes the merged JSON (every run, plus the comparisons), a PNG beside it (output tokens/s and time per output token against concurrency, one line per run)
+the first's. Writes the merged JSON (every run, plus the comparisons), a PNG beside it (output tokens/s and
+time per output token against concurrency, one line per run)
 and, with ``--readme``, the README section between the vllm-serve markers. Runs made with
 ``--profile-levels`` add one table per profiled level to the section: where a decode step's GPU time
 goes (``moe_bench/step_profile.py``).
@@ -77,9 +78,9 @@ def pool_starts(name: str, docs: list[dict], files: list[Path]) -> dict:
         if len(values) > 1:
             raise SystemExit(f"vllm_serve_report: run {name}: its files differ in {key}: {sorted(values)}")
     levels: dict[int, list[dict]] = {}
+    want = [t["concurrency"] for t in first.get("throughput", [])]
     for d, path in zip(docs, files, strict=True):
         got = [t["concurrency"] for t in d.get("throughput", [])]
-        want = [t["concurrency"] for t in first.get("throughput", [])]
         if got != want:
             raise SystemExit(f"vllm_serve_report: run {name}: {path} has levels {got}, the first file {want}")
         for t in d["throughput"]:

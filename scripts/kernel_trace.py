@@ -20,8 +20,8 @@ traced launch streams from HBM as in serving. The traced launch is checked again
 reference. Printed per token count: the phase ends over blocks, and per kind of tile (GEMM, token width)
 the median time of each part of a tile and the bytes per SM per microsecond it streamed, then the streaming
 timeline (per 2 us: weight bytes issued and how many SMs were issuing GEMM0 and GEMM1 tiles); with --raw the
-JSON keeps every event. The trace build reads timers around every pipeline wait, so its times are a little longer than the
-plain build's; compare parts within one trace, and totals with kernel_check.py.
+JSON keeps every event. The trace build reads timers around every pipeline wait, so its times are a little
+longer than the plain build's; compare parts within one trace, and totals with kernel_check.py.
 """
 
 from __future__ import annotations

@@ -75,14 +75,19 @@ def apply_diff(root, text):
         f.write_text(s)
 
 
+def _named_argument(name, kind):
+    """X of a ``kind=X`` variant name, else None."""
+    return name.split("=", 1)[1] if name.startswith(kind + "=") else None
+
+
 def diff_file(name):
     """FILE of a ``diff=FILE`` variant name, else None."""
-    return name.split("=", 1)[1] if name.startswith("diff=") else None
+    return _named_argument(name, "diff")
 
 
 def csrc_dir(name):
     """DIR of a ``csrc=DIR`` variant name, else None."""
-    return name.split("=", 1)[1] if name.startswith("csrc=") else None
+    return _named_argument(name, "csrc")
 
 
 def variant_tree(name, root):
@@ -362,9 +367,8 @@ def trace_option(args: list[str]) -> tuple[str | None, list[str]]:
 
 
 def main():
-    if sys.argv[1:2] == [
-        "--apply"
-    ]:  # kept diffs applied to this checkout in place (a device's disposable copy)
+    if sys.argv[1:2] == ["--apply"]:
+        # Kept diffs applied to this checkout in place (a device's checkout is a disposable copy).
         for path in sys.argv[2:]:
             apply_diff(SRC, (SRC / path).read_text())
             print(f"applied {path}")
