@@ -8,8 +8,8 @@
 // staging memory, completed by one quiet before the signal (one fence per destination, as Perseus advises).
 //
 // fp8 layers send each row quantised (flashmoe/fp8.py's rule, per 128-group: e4m3 values + an fp32 scale),
-// half the bytes on the wire; the warp quantises a row once, two groups at a time (a half-warp per group),
-// and stores each piece to every destination before the next.
+// half the bytes on the wire; the warp quantises a row once, two groups per piece (a half-warp per group), 8
+// pieces at a time, then stores them to every destination.
 #pragma once
 
 #include "comm.cuh"
@@ -82,42 +82,61 @@ __device__ __forceinline__ void send_row_fp8(const Params& p, const PeerTable& p
       const int e = ahead + u * kPiece + lane * 8;
       raw[u] = e < H ? __ldg(reinterpret_cast<const uint4*>(src + e)) : make_uint4(0, 0, 0, 0);
     }
+    // Every piece quantised before any is stored: the pieces are independent, so their latency chains overlap
+    // (one piece at a time left each chain exposed; the busy dispatch block took ~5 us against bf16's ~2.3).
+    // Pieces past H were loaded as zeros and are not stored.
+    // Three passes, each over every piece: the group maxima (conversions and shuffles, no branches, so the 8 chains
+    // interleave), the scales (IEEE division: a branch to its slow path each), the e4m3 values.
+    float v[kRowLoadsAhead][8];
+    float amax[kRowLoadsAhead];
 #pragma unroll
     for (int u = 0; u < kRowLoadsAhead; ++u) {
-      const int base = ahead + u * kPiece;
-      if (base >= H) break;  // the same in every lane
-      const int e = base + lane * 8;  // this lane's 8 elements; lanes 0-15 one group, 16-31 the next
-      const bool valid = e < H;
-      float v[8];
       const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(&raw[u]);
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
         const float2 f = __bfloat1622float2(h2[q]);
-        v[2 * q] = f.x;
-        v[2 * q + 1] = f.y;
+        v[u][2 * q] = f.x;
+        v[u][2 * q + 1] = f.y;
       }
-      float amax = 0.f;
+      amax[u] = 0.f;
 #pragma unroll
-      for (int q = 0; q < 8; ++q) amax = fmaxf(amax, fabsf(v[q]));
+      for (int q = 0; q < 8; ++q) amax[u] = fmaxf(amax[u], fabsf(v[u][q]));
+    }
 #pragma unroll
-      for (int d = 8; d > 0; d >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, d));  // within a half
-      const Fp8Scale s = fp8_scale(amax);
-      const uint2 q8 =
-          make_uint2(quantize4(v[0], v[1], v[2], v[3], s.inverse), quantize4(v[4], v[5], v[6], v[7], s.inverse));
-      const bool scale_lane = (lane & 15) == 0;
-      for (unsigned l = leaders; l; l &= l - 1) {
-        const int L = __ffs(l) - 1;
-        const int r = __shfl_sync(0xffffffffu, dest, L);
-        const int slot = __shfl_sync(0xffffffffu, my_slot, L);
-        if (!valid || !use_p2p(peers, r)) continue;
-        const int64_t row = static_cast<int64_t>(p.rank) * p.max_tokens_per_rank + slot;
-        char* heap = peers.base[r];
-        *reinterpret_cast<uint2*>(heap + p.sym_off.recv_tokens + row * H + e) = q8;
-        if (scale_lane) reinterpret_cast<float*>(heap + p.sym_off.recv_scales)[row * groups + e / kFp8Group] = s.scale;
+    for (int d = 8; d > 0; d >>= 1)  // within a half-warp: one group
+#pragma unroll
+      for (int u = 0; u < kRowLoadsAhead; ++u) amax[u] = fmaxf(amax[u], __shfl_xor_sync(0xffffffffu, amax[u], d));
+    Fp8Scale s[kRowLoadsAhead];
+#pragma unroll
+    for (int u = 0; u < kRowLoadsAhead; ++u) s[u] = fp8_scale(amax[u]);
+    uint2 q8[kRowLoadsAhead];
+#pragma unroll
+    for (int u = 0; u < kRowLoadsAhead; ++u)
+      q8[u] = make_uint2(quantize4(v[u][0], v[u][1], v[u][2], v[u][3], s[u].inverse),
+                         quantize4(v[u][4], v[u][5], v[u][6], v[u][7], s[u].inverse));
+    const bool scale_lane = (lane & 15) == 0;  // lanes 0-15 hold one group, 16-31 the next
+    for (unsigned l = leaders; l; l &= l - 1) {
+      const int L = __ffs(l) - 1;
+      const int r = __shfl_sync(0xffffffffu, dest, L);
+      const int slot = __shfl_sync(0xffffffffu, my_slot, L);
+      if (!use_p2p(peers, r)) continue;
+      const int64_t row = static_cast<int64_t>(p.rank) * p.max_tokens_per_rank + slot;
+      char* heap = peers.base[r];
+#pragma unroll
+      for (int u = 0; u < kRowLoadsAhead; ++u) {
+        const int e = ahead + u * kPiece + lane * 8;  // this lane's 8 elements
+        if (e >= H) continue;
+        *reinterpret_cast<uint2*>(heap + p.sym_off.recv_tokens + row * H + e) = q8[u];
+        if (scale_lane) reinterpret_cast<float*>(heap + p.sym_off.recv_scales)[row * groups + e / kFp8Group] = s[u].scale;
       }
-      if (any_proxied && valid) {
-        *reinterpret_cast<uint2*>(stage_row + e) = q8;
-        if (scale_lane) stage_scales[e / kFp8Group] = s.scale;
+    }
+    if (any_proxied) {
+#pragma unroll
+      for (int u = 0; u < kRowLoadsAhead; ++u) {
+        const int e = ahead + u * kPiece + lane * 8;
+        if (e >= H) continue;
+        *reinterpret_cast<uint2*>(stage_row + e) = q8[u];
+        if (scale_lane) stage_scales[e / kFp8Group] = s[u].scale;
       }
     }
   }
