@@ -145,6 +145,25 @@ def streaming_timeline(producer: list[dict], H: int, I: int, fp8: bool, bin_us: 
     ]
 
 
+def per_sm_rates(timeline: list[dict], full: float = 120.0, few: float = 100.0) -> dict:
+    """Weight GB/s per issuing SM, median over the timeline's bins where at least `full` SMs issue and where
+    fewer than `few` do (a bin with under 8 issuing SMs says little). If the rate where few SMs issue is no higher
+    than where all do, each SM's stream is bounded by its own bytes in flight, not by HBM: a partial wave then
+    streams at (its SMs x that rate) however idle HBM is."""
+
+    def rate(b):
+        return b["tb_per_s"] * 1e3 / sum(b["sms_issuing"])
+
+    busy = sorted(rate(b) for b in timeline if sum(b["sms_issuing"]) >= full)
+    sparse = sorted(rate(b) for b in timeline if 8 <= sum(b["sms_issuing"]) < few)
+    return {
+        "full_gb_per_s_per_sm": round(median(busy), 1) if busy else None,
+        "full_bins": len(busy),
+        "sparse_gb_per_s_per_sm": round(median(sparse), 1) if sparse else None,
+        "sparse_bins": len(sparse),
+    }
+
+
 def analyse(trace: list[list[list[tuple]]], H: int, I: int, fp8: bool = False) -> dict:
     t0 = min(role[0][0] for blk in trace for role in blk if role)
     phases: dict[str, list[float]] = {name: [] for name in PHASES.values()}
@@ -275,6 +294,7 @@ def analyse(trace: list[list[list[tuple]]], H: int, I: int, fp8: bool = False) -
     weight_bytes = sum(tile_weight_bytes(p["gemm"], H, I, fp8, p["splits"]) for p in producer)
     tasks_per_block = [sum(1 for p in producer if p["block"] == blk) for blk in range(len(trace))]
     span = (max(gemm_end) - min(gemm_start)) if gemm_end and gemm_start else float("nan")
+    timeline = streaming_timeline(producer, H, I, fp8)
     return {
         "phase_end_us": {
             k: {"min": round(min(v), 2), "median": round(median(v), 2), "max": round(max(v), 2)}
@@ -291,7 +311,8 @@ def analyse(trace: list[list[list[tuple]]], H: int, I: int, fp8: bool = False) -
         "consumer_tiles": groups,
         "producer_tiles": producer_summary,
         "transitions": transitions,
-        "streaming_timeline": streaming_timeline(producer, H, I, fp8),
+        "streaming_timeline": timeline,
+        "per_sm_rates": per_sm_rates(timeline),
     }
 
 
@@ -329,6 +350,12 @@ def print_case(shape: str, T: int, blocks: int, err: float, summary: dict) -> No
         ]
         for i in range(0, len(cells), 6):
             print("    " + " | ".join(cells[i : i + 6]))
+        r = summary.get("per_sm_rates") or {}
+        if r.get("full_gb_per_s_per_sm") or r.get("sparse_gb_per_s_per_sm"):
+            print(
+                f"  per issuing SM: {r['full_gb_per_s_per_sm']} GB/s where >= 120 SMs issue ({r['full_bins']} bins), "
+                f"{r['sparse_gb_per_s_per_sm']} GB/s where 8-99 do ({r['sparse_bins']} bins)"
+            )
 
 
 def reanalyse(path: Path) -> None:

@@ -6,6 +6,7 @@ deeper-indented copy of a consumer's wait, say) would patch both."""
 from __future__ import annotations
 
 import importlib
+import re
 import sys
 from pathlib import Path
 
@@ -52,9 +53,18 @@ def _copy_of(tmp_path, rels):
         (tmp_path / rel).write_text((REPO / rel).read_text())
 
 
+def test_every_kept_kernel_diff_is_indexed(gemm_variants):
+    """diffs/README.md's table names every kept and refuted diff, and nothing else: a result's code stays findable."""
+    root = REPO / "benchmarks" / "experiments" / "diffs"
+    files = {p.relative_to(root).as_posix() for p in root.rglob("*.diff")}
+    assert any(f.startswith("refuted/") for f in files)
+    listed = set(re.findall(r"^\| `([^`]+\.diff)` \|", (root / "README.md").read_text(), flags=re.M))
+    assert listed == files, (sorted(listed - files), sorted(files - listed))
+
+
 def test_every_kept_kernel_diff_applies(gemm_variants, tmp_path):
+    # None may be waiting (all measured); each one kept must apply to main alone.
     diffs = sorted((REPO / "benchmarks" / "experiments" / "diffs").glob("*.diff"))
-    assert diffs, "no diff kept: remove this test with the directory"
     for path in diffs:
         text = path.read_text()
         rels = [line[6:] for line in text.splitlines() if line.startswith("+++ b/")]
@@ -82,3 +92,16 @@ def test_trace_option_is_taken_out_of_kernel_checks_arguments(gemm_variants):
     )
     with pytest.raises(SystemExit):
         gemm_variants.trace_option(["--trace"])
+
+
+def test_combined_variants_apply_each_part_in_order(gemm_variants, tmp_path):
+    """``a+b`` applies both variants' patches to one tree (the weights-only stream: no wgmma, no token rows)."""
+    root = gemm_variants.variant_tree("fp8_no_wgmma+no_cp_async", tmp_path / "both")
+    gemm = (root / "csrc/flashmoe/gemm.cuh").read_text()
+    for part in ("fp8_no_wgmma", "no_cp_async"):
+        for rel, old, new in gemm_variants.VARIANTS[part]:
+            text = (root / rel).read_text()
+            assert new in text and (not old or old not in text or old in new), (part, rel)
+    assert "constexpr int kFullArrivals = 1;" in gemm
+    with pytest.raises(SystemExit, match="unknown variant 'nope'"):
+        gemm_variants.variant_tree("base+nope", tmp_path / "bad")

@@ -88,3 +88,27 @@ def test_the_streaming_timeline_spreads_each_task_over_its_issue_span(kernel_tra
     assert bins[4]["tb_per_s"] == pytest.approx(gemm0_bytes / 7.5 / 1e6, abs=1e-3)
     total = sum(b["tb_per_s"] * 1e6 * 2.0 for b in bins.values())
     assert total == pytest.approx(gemm0_bytes + gemm1_bytes, rel=1e-3)
+
+
+def test_per_sm_rates_tell_a_per_sm_ceiling_from_hbm_saturation(kernel_trace):
+    """Bins where all SMs issue against bins where few do: the traces of 2026-11-23 showed ~33 GB/s per SM in the
+    full wave and only ~40 where 50 SMs issued (a per-SM ceiling); a stream bounded by HBM alone would show the
+    sparse bins' SMs much faster."""
+    timeline = [
+        {"t_us": 0, "tb_per_s": 4.4, "sms_issuing": [132, 0]},
+        {"t_us": 2, "tb_per_s": 4.2, "sms_issuing": [120, 6]},
+        {"t_us": 4, "tb_per_s": 2.0, "sms_issuing": [30, 20]},
+        {"t_us": 6, "tb_per_s": 1.2, "sms_issuing": [0, 30]},
+        {"t_us": 8, "tb_per_s": 0.1, "sms_issuing": [0, 2]},  # too few SMs to say anything
+        {"t_us": 10, "tb_per_s": 3.5, "sms_issuing": [105, 0]},  # neither full nor sparse
+    ]
+    r = kernel_trace.per_sm_rates(timeline)
+    assert r["full_bins"] == 2 and r["sparse_bins"] == 2
+    assert r["full_gb_per_s_per_sm"] == pytest.approx((4400 / 132 + 4200 / 126) / 2, abs=0.06)
+    assert r["sparse_gb_per_s_per_sm"] == pytest.approx((2000 / 50 + 1200 / 30) / 2, abs=0.06)
+    assert kernel_trace.per_sm_rates([]) == {
+        "full_gb_per_s_per_sm": None,
+        "full_bins": 0,
+        "sparse_gb_per_s_per_sm": None,
+        "sparse_bins": 0,
+    }

@@ -70,3 +70,49 @@ def test_cli_writes_the_results_file_and_refuses_an_unknown_base(tmp_path):
     assert doc["rows"][0]["speedup_vs_base"]["two_pass"] == pytest.approx(1.25)
     bad = subprocess.run([*cmd[:3], "--base", "nope"], capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "no run named 'nope'" in bad.stderr
+
+
+def test_trace_files_are_summarised_into_the_results_file(tmp_path):
+    """gemm_variants --trace leaves trace_<run>.json (raw events); the results file carries each one's analysis:
+    the streaming timeline and per-SM rates, not the raw events or the steps table."""
+    env_before = os.environ.get("FLASHMOE_TRACE")
+    out = variants_report.trace_summaries(tmp_path)  # no trace files yet: nothing imported, nothing set
+    assert out == {} and os.environ.get("FLASHMOE_TRACE") == env_before
+    kt = sys.modules.get("kernel_trace")
+    if kt is None:
+        sys.path.insert(0, str(REPORT.parents[2] / "scripts"))
+        try:
+            import kernel_trace as kt
+        finally:
+            sys.path.remove(str(REPORT.parents[2] / "scripts"))
+            if env_before is None:
+                os.environ.pop("FLASHMOE_TRACE", None)
+            else:
+                os.environ["FLASHMOE_TRACE"] = env_before
+    producer = [
+        [0, 0, 0, 0, 0, 0],  # the launch's start
+        [1_000, 2_000, kt.PRODUCER_TASK, 0, 0 << 24 | 3, 1 << 28 | 32 << 8 | 1],
+        [1_500, 3_000, kt.PRODUCER_FIRST, 0, 0, 0],
+        [9_000, 18_000, kt.PRODUCER_LAST, 0, 0, 0],
+    ]
+    doc = {
+        "shape": "qwen3-30b/ep4",
+        "dtype": "fp8",
+        "H": 2048,
+        "I": 768,
+        "cases": {"8": {"rel_err_vs_reference": 0.004, "events": [[producer, [], []]]}},
+    }
+    (tmp_path / "trace_fp8_no_wgmma.json").write_text(json.dumps(doc))
+    out = variants_report.trace_summaries(tmp_path)
+    assert os.environ.get("FLASHMOE_TRACE") == env_before
+    case = out["fp8_no_wgmma"]["cases"]["8"]
+    assert out["fp8_no_wgmma"]["dtype"] == "fp8" and case["rel_err_vs_reference"] == 0.004
+    assert "transitions" not in case and "events" not in case
+    issued = sum(b["tb_per_s"] * 1e6 * 2.0 for b in case["streaming_timeline"])
+    assert issued == pytest.approx(128 * 2048 * 2, rel=1e-3)  # the fp8 GEMM0 task's two passes of weights
+    assert set(case["per_sm_rates"]) == {
+        "full_gb_per_s_per_sm",
+        "full_bins",
+        "sparse_gb_per_s_per_sm",
+        "sparse_bins",
+    }

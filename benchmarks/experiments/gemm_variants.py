@@ -3,7 +3,10 @@ scripts/kernel_check.py --time-only (a variant's numerics may be wrong: it answe
 
     python benchmarks/experiments/gemm_variants.py "qwen3-30b/ep4:8,128" OUT_DIR base,gemm0_only,no_wgmma
     python benchmarks/experiments/gemm_variants.py "adhoc:1" OUT_DIR base,csrc=DIR --adhoc 32,2,2048,768,1,uniform
-    python benchmarks/experiments/gemm_variants.py "qwen3-30b/ep4:8" OUT_DIR base,diff=benchmarks/experiments/diffs/smem_base.diff
+    python benchmarks/experiments/gemm_variants.py "qwen3-30b/ep4:8" OUT_DIR base,diff=benchmarks/experiments/diffs/X.diff
+    python benchmarks/experiments/gemm_variants.py "qwen3-30b/ep4:128" OUT_DIR base,fp8_no_wgmma+no_cp_async --dtype fp8
+
+``a+b`` applies registered variants a and b to one copy, in that order.
 
 ``--apply FILE...`` applies kept diffs to the checkout itself, for checks on a device (whose checkout is laid anew
 at every call): ``python benchmarks/experiments/gemm_variants.py --apply benchmarks/experiments/diffs/X.diff``.
@@ -17,7 +20,8 @@ Arguments after the variant list go to kernel_check.py as they are, except ``--t
 run is then also traced at those token counts on the first shape (scripts/kernel_trace.py --raw into
 OUT_DIR/trace_<name>.json; ``kernel_trace.py --reanalyse`` prints its tiles and streaming timeline). Each run leaves
 OUT_DIR/var_<name>.json (a second run of the same variant: var_<name>.run2.json; a csrc=DIR run is named after
-DIR's last component, a diff=FILE run after FILE's stem); benchmarks/experiments/variants_report.py tabulates them.
+DIR's last component, a diff=FILE run after FILE's stem); benchmarks/experiments/variants_report.py tabulates them
+and folds each trace's summary into its results file.
 
 Run from the repository root; each variant is built from /tmp/var/<name> (its own JIT cache key).
 """
@@ -104,8 +108,15 @@ def variant_tree(name, root):
     elif diff_file(name) is not None:
         apply_diff(root, (SRC / diff_file(name)).read_text())
     else:
-        for rel, old, new in VARIANTS[name]:
-            patch(root, rel, old, new)
+        # a+b: several registered variants' patches, in order (e.g. fp8_no_wgmma+no_cp_async isolates the weights'
+        # TMA stream); each patch must still match exactly once on the tree the earlier ones left.
+        for part in name.split("+"):
+            if part not in VARIANTS:
+                raise SystemExit(
+                    f"gemm_variants: unknown variant {part!r} in {name!r}; known: {', '.join(VARIANTS)}"
+                )
+            for rel, old, new in VARIANTS[part]:
+                patch(root, rel, old, new)
     return root
 
 
@@ -281,6 +292,22 @@ VARIANTS = {
             "    st.advance();\n  } while (++ks < k_steps);\n}\n\n// Named barrier",
             "    st.advance();\n    if (interleave && ks + 1 < k_steps) {\n      st.advance();\n      ++ks;\n    }\n"
             "  } while (++ks < k_steps);\n}\n\n// Named barrier",
+        ),
+    ],
+    # Polls back off: a block waiting for an expert's GEMM0 (ActReadiness, a warp of acquire loads on one line)
+    # and a block at a grid barrier sleep 256 ns between looks. The 2026-11-23 traces: where 48-60 SMs stream and
+    # the rest poll, each streams ~30-40 GB/s, a third of what tma_stream gives one SM with nobody polling; if
+    # polling congests the L2 slice its line lives in, every stage (128 lines over all slices) waits for it.
+    "poll_backoff": [
+        (
+            "csrc/flashmoe/tasks.cuh",
+            "      if (spins == 0) on_first_wait();",
+            "      if (spins == 0) on_first_wait();\n      else __nanosleep(256);",
+        ),
+        (
+            "csrc/flashmoe/comm.cuh",
+            "    while (((old ^ ld_acquire_gpu(word)) & 0x80000000u) == 0) {",
+            "    while (((old ^ ld_acquire_gpu(word)) & 0x80000000u) == 0) {\n      __nanosleep(256);",
         ),
     ],
     # The next task's index taken 8 stages before a task's end instead of 4: fp8 GEMM1 tasks are 6 stages issued

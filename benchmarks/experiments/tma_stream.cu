@@ -4,6 +4,7 @@
 // `tma_stream sweep`: the same streams from fewer blocks (8 .. all SMs): what one SM can pull when HBM is not
 // the limit -- the rate that bounds a small-T tile (results/2026-11-22-h200x1-tma-stream-per-sm.txt).
 //   nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 benchmarks/experiments/tma_stream.cu -o /tmp/tma_stream
+// `tma_stream tail`: the 5-D w13 stream with the kernel's evict-first hint and the fp8 geometry, 48 and all SMs.
 #include <cuda.h>
 #include <cuda_runtime.h>
 #include <cstdio>
@@ -33,9 +34,35 @@ __device__ __forceinline__ void tma5d(void* dst, const CUtensorMap* map, uint64_
   asm volatile("cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6, %7}], [%2];"
                ::"r"(smem_addr(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4) : "memory");
 }
-struct Cfg { int stages, kbox, rbox, tile_rows; int five_d; int three_d; };  // three_d: rows viewed as [rows/8][8]  // kbox: 64-k boxes per stage along K; rbox: 128-row boxes along rows
+// The megakernel's weight loads carry an evict-first L2 policy (tasks.cuh): the same load with that hint.
+__device__ __forceinline__ void tma5d_evict_first(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1, int c2, int c3, int c4) {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  asm volatile("cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1, {%3, %4, %5, %6, %7}], [%2], %8;"
+               ::"r"(smem_addr(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4), "l"(policy) : "memory");
+}
+struct Cfg { int stages, kbox, rbox, tile_rows; int five_d; int three_d; int evict_first = 0; int fp8 = 0; int pollers = 0; };  // pollers: extra blocks that only poll (below)  // fp8: w13 as e4m3 [rows][2048 B], 128 K per box  // three_d: rows viewed as [rows/8][8]  // kbox: 64-k boxes per stage along K; rbox: 128-row boxes along rows
 
-__global__ void __launch_bounds__(256, 1) stream(const __grid_constant__ CUtensorMap map, int rows, int K, Cfg c, int* sink) {
+// The last `c.pollers` blocks do what a megakernel block waiting for GEMM1 readiness does (tasks.cuh ActReadiness):
+// a warp spins on acquire loads of 32 words of one line, no back-off, until every streaming block has finished
+// (done[0] reaches `done_target`). Does such polling slow the other SMs' weight streams?
+__global__ void __launch_bounds__(256, 1) stream(const __grid_constant__ CUtensorMap map, int rows, int K, Cfg c, int* sink,
+                                                 unsigned* done, unsigned done_target) {
+  const int streamers = gridDim.x - c.pollers;
+  if (static_cast<int>(blockIdx.x) >= streamers) {
+    if (threadIdx.x < 32) {
+      unsigned seen = 0, x = 0;
+      long long t0 = clock64();
+      while (seen < done_target && clock64() - t0 < 4000000000ll) {  // ~2 s: never hang if blocks are not co-resident
+        unsigned v;
+        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(done + 32 + threadIdx.x) : "memory");
+        x ^= v;
+        seen = __shfl_sync(0xffffffffu, *(volatile unsigned*)done, 0);
+      }
+      if (x == 0x12345678u) sink[0] = x;
+    }
+    return;
+  }
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   const int box_bytes = 128 * 64 * 2;
@@ -45,15 +72,16 @@ __global__ void __launch_bounds__(256, 1) stream(const __grid_constant__ CUtenso
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
   __syncthreads();
   const int tile_rows = 128 * c.rbox;
-  const int tiles = rows / tile_rows / gridDim.x * gridDim.x;  // whole waves: no tail in the rate
-  const int ksteps = K / (64 * c.kbox);
+  const int tiles = rows / tile_rows / streamers * streamers;  // whole waves: no tail in the rate
+  const int ksteps = K / ((c.fp8 ? 128 : 64) * c.kbox);  // a box is 128 B of K either way
   if (threadIdx.x == 0) {  // producer
     int s = 0; uint32_t ph = 0;
-    for (int t = blockIdx.x; t < tiles; t += gridDim.x)
+    for (int t = blockIdx.x; t < tiles; t += streamers)
       for (int ks = 0; ks < ksteps; ++ks) {
         mbar_wait(&empty[s], ph ^ 1);
         mbar_expect(&full[s], stage_bytes);
-        if (c.five_d) tma5d(smem + s * stage_bytes, &map, &full[s], ks * 64, 0, 0, (t % 12) * 8, t / 12); else
+        if (c.five_d && c.evict_first) tma5d_evict_first(smem + s * stage_bytes, &map, &full[s], ks * (c.fp8 ? 128 : 64), 0, 0, (t % 12) * 8, t / 12); else
+        if (c.five_d) tma5d(smem + s * stage_bytes, &map, &full[s], ks * (c.fp8 ? 128 : 64), 0, 0, (t % 12) * 8, t / 12); else
         if (c.three_d) tma3d(smem + s * stage_bytes, &map, &full[s], ks * 64, 0, t * 16); else
         for (int r = 0; r < c.rbox; ++r)
           for (int b = 0; b < c.kbox; ++b)
@@ -62,7 +90,7 @@ __global__ void __launch_bounds__(256, 1) stream(const __grid_constant__ CUtenso
       }
   } else if (threadIdx.x >= 128 && threadIdx.x < 256) {  // consumer warpgroup: wait, touch, release
     int s = 0; uint32_t ph = 0; int acc = 0;
-    for (int t = blockIdx.x; t < tiles; t += gridDim.x)
+    for (int t = blockIdx.x; t < tiles; t += streamers)
       for (int ks = 0; ks < ksteps; ++ks) {
         mbar_wait(&full[s], ph);
         acc += smem[s * stage_bytes + (threadIdx.x - 128) * 16];
@@ -72,6 +100,8 @@ __global__ void __launch_bounds__(256, 1) stream(const __grid_constant__ CUtenso
       }
     if (acc == 12345678) sink[0] = acc;
   }
+  __syncthreads();
+  if (threadIdx.x == 0) { __threadfence(); atomicAdd(done, 1u); }
 }
 
 __global__ void read_ld(const uint4* p, size_t n, int* sink) {
@@ -84,10 +114,16 @@ typedef CUresult (*EncodeFn)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void
 
 int main(int argc, char** argv) {
   const bool sweep = argc > 1 && std::string(argv[1]) == "sweep";
+  // `tail`: the megakernel's fp8 GEMM0 tail streams at only ~30-40 GB/s per SM on 48-60 SMs (kernel_trace,
+  // results/2026-11-23-h200x1-fp8-weights-stream.json) where this benchmark's 5-D box gave ~100 at 33 SMs: the same
+  // 5-D stream with the kernel's evict-first hint and fp8 geometry (row stride 2048 B), on 48 and all SMs.
+  const bool tail = argc > 1 && std::string(argv[1]) == "tail";
   const int E = 32, R = 1536, K = 2048;  // Qwen3-30B w13 per EP4 rank: 201 MB
   const size_t rows = (size_t)E * R, bytes = rows * K * 2;
   void* w; cudaMalloc(&w, bytes); cudaMemset(w, 1, bytes);
   int* sink; cudaMalloc(&sink, 4);
+  unsigned* done; cudaMalloc(&done, 256); cudaMemset(done, 0, 256);
+  unsigned finished = 0;  // done[0]: streaming blocks finished over all launches
   void* f; cudaDriverEntryPointQueryResult q;
   cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q);
   EncodeFn enc = (EncodeFn)f;
@@ -130,7 +166,17 @@ int main(int argc, char** argv) {
         {{3, 4, 1, 128}, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, "64K(4k) x3"},
     };
   }
-  std::vector<int> grids = sweep ? std::vector<int>{8, 33, 96, sms} : std::vector<int>{sms};
+  if (tail) {
+    runs = {
+        {{8, 1, 1, 128, 1}, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, "5D bf16 x8"},
+        {{8, 1, 1, 128, 1, 0, 1}, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, "5D bf16 x8 evict1st"},
+        {{8, 1, 1, 128, 1, 0, 0, 1}, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, "5D fp8 x8"},
+        {{8, 1, 1, 128, 1, 0, 1, 1}, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, "5D fp8 x8 evict1st"},
+        // 48 streaming SMs beside 84 polling ones (the fp8 tail at T = 8: 48 SMs on GEMM0, the rest waiting).
+        {{8, 1, 1, 128, 1, 0, 1, 1, 84}, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, "fp8 ef + 84 pollers"},
+    };
+  }
+  std::vector<int> grids = sweep ? std::vector<int>{8, 33, 96, sms} : tail ? std::vector<int>{48, sms} : std::vector<int>{sms};
   printf("%-20s %6s %8s %8s %9s\n", "stage x count", "blocks", "TB/s", "KiB/SM", "GB/s/SM");
   for (int blocks : grids)
   for (auto& r : runs) {
@@ -141,19 +187,26 @@ int main(int argc, char** argv) {
     cuuint32_t b5[5] = {64, 8, 2, 8, 1}, u5[5] = {1, 1, 1, 1, 1};
     cuuint64_t d3[3] = {(cuuint64_t)K, 8, (cuuint64_t)rows / 8}, s3[2] = {(cuuint64_t)K * 2, 8ull * K * 2};
     cuuint32_t b3[3] = {64, 8, 16};
+    // fp8: the same rows as 2048 one-byte elements (half the tensor), boxes of 128 elements = 128 B.
+    cuuint64_t d5f[5] = {(cuuint64_t)K, 8, 2, 768 / 8, (cuuint64_t)E}, s5f[4] = {(cuuint64_t)K, 768ull * K, 8ull * K, 1536ull * K};
+    cuuint32_t b5f[5] = {128, 8, 2, 8, 1};
     if (r.c.three_d) { if (enc(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, w, d3, s3, b3, u5, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, r.l2, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS) { printf("encode3 failed\n"); return 1; } } else
+    if (r.c.five_d && r.c.fp8) { if (enc(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 5, w, d5f, s5f, b5f, u5, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, r.l2, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS) { printf("encode5 fp8 failed\n"); return 1; } } else
     if (r.c.five_d) { if (enc(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 5, w, d5, s5, b5, u5, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, r.l2, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS) { printf("encode5 failed\n"); return 1; } } else
     if (enc(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, w, dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, r.l2, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS) { printf("encode failed\n"); return 1; }
     const int smem = r.c.stages * 16384 * r.c.kbox * r.c.rbox + 1024;
     cudaFuncSetAttribute(stream, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    stream<<<blocks, 256, smem>>>(map, (int)rows, K, r.c, sink);
+    const int streamers = blocks - r.c.pollers;
+    if (streamers <= 0) continue;
+    finished += streamers;
+    stream<<<blocks, 256, smem>>>(map, (int)rows, K, r.c, sink, done, finished);
     cudaError_t e = cudaDeviceSynchronize(); if (e) { printf("%s: %s\n", r.name, cudaGetErrorString(e)); return 1; }
-    const int reps = sweep ? 3 : 10;
-    cudaEventRecord(a); for (int i = 0; i < reps; ++i) stream<<<blocks, 256, smem>>>(map, (int)rows, K, r.c, sink); cudaEventRecord(b); cudaEventSynchronize(b);
+    const int reps = sweep || tail ? 3 : 10;
+    cudaEventRecord(a); for (int i = 0; i < reps; ++i) { finished += streamers; stream<<<blocks, 256, smem>>>(map, (int)rows, K, r.c, sink, done, finished); } cudaEventRecord(b); cudaEventSynchronize(b);
     float ms; cudaEventElapsedTime(&ms, a, b);
-    const size_t tile_rows = 128 * r.c.rbox, moved = rows / tile_rows / blocks * blocks * tile_rows * K * 2;
+    const size_t tile_rows = 128 * r.c.rbox, moved = rows / tile_rows / streamers * streamers * tile_rows * K * (r.c.fp8 ? 1 : 2);
     const double tbs = moved * reps / (ms * 1e-3) / 1e12;
-    printf("%-20s %6d %8.2f %8d %9.1f\n", r.name, blocks, tbs, r.c.stages * 16 * r.c.kbox * r.c.rbox, tbs * 1e3 / blocks);
+    printf("%-20s %6d %8.2f %8d %9.1f\n", r.name, streamers, tbs, r.c.stages * 16 * r.c.kbox * r.c.rbox, tbs * 1e3 / streamers);
   }
   return 0;
 }

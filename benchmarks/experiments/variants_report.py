@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 from pathlib import Path
 
 
@@ -19,6 +21,40 @@ def load_runs(directory: Path) -> list[tuple[str, dict]]:
     """(run name, kernel_check result) for every var_*.json, oldest first."""
     files = sorted(directory.glob("var_*.json"), key=lambda f: f.stat().st_mtime)
     return [(f.name.removeprefix("var_").removesuffix(".json"), json.loads(f.read_text())) for f in files]
+
+
+def trace_summaries(directory: Path) -> dict[str, dict]:
+    """Each trace_<run>.json (gemm_variants --trace, raw events) analysed as scripts/kernel_trace.py does, per token
+    count: GEMM phase, per-tile medians, per-SM rates and the streaming timeline (the steps table left out)."""
+    files = sorted(directory.glob("trace_*.json"))
+    if not files:
+        return {}
+    repo = Path(__file__).resolve().parents[2]
+    sys.path[:0] = [str(repo / "scripts"), str(repo / "plugin")]
+    before = os.environ.get("FLASHMOE_TRACE")
+    import kernel_trace  # torch at import: only when there are traces
+
+    # kernel_trace asks for flashmoe's trace build at import; nothing here builds, and a caller's later layers must not.
+    if before is None:
+        os.environ.pop("FLASHMOE_TRACE", None)
+    else:
+        os.environ["FLASHMOE_TRACE"] = before
+
+    out = {}
+    for f in files:
+        doc = json.loads(f.read_text())
+        cases = {}
+        for T, case in doc["cases"].items():
+            trace = [[[tuple(e) for e in role] for role in block] for block in case["events"]]
+            summary = kernel_trace.analyse(trace, doc["H"], doc["I"], doc.get("dtype") == "fp8")
+            summary.pop("transitions", None)
+            cases[T] = {"rel_err_vs_reference": case.get("rel_err_vs_reference"), **summary}
+        out[f.name.removeprefix("trace_").removesuffix(".json")] = {
+            "shape": doc["shape"],
+            "dtype": doc.get("dtype"),
+            "cases": cases,
+        }
+    return out
 
 
 def medians(result: dict) -> dict[tuple[str, int], float]:
@@ -95,6 +131,9 @@ def main() -> None:
             ],
             "rows": rows,
         }
+        traces = trace_summaries(args.directory)
+        if traces:
+            doc["traces"] = traces
         args.json.write_text(json.dumps(doc, indent=1) + "\n")
         print(f"wrote {args.json}")
 
