@@ -128,6 +128,14 @@ _UNGUARD = (
     _WAIT_STAGE_FULL,
 )
 
+# The producer's empty-slot wait, no longer timed (the probe variants time another part of the loop instead).
+_PRODUCER_WAIT_UNTIMED = (
+    "csrc/flashmoe/gemm.cuh",
+    "      const uint64_t wait_start = trace_clock();\n      pipe_wait(p, g, g.empty(st.stage), st.phase() ^ 1u);\n"
+    "      waited += trace_clock() - wait_start;\n",
+    "      pipe_wait(p, g, g.empty(st.stage), st.phase() ^ 1u);\n",
+)
+
 # The fp8 timing variants' pieces of consume_tile_fp8 (gemm.cuh): its wgmmas into per-stage partial sums, their
 # drain, and the promotion.
 _FP8_INTO_ACC = (
@@ -292,6 +300,38 @@ VARIANTS = {
             "    st.advance();\n  } while (++ks < k_steps);\n}\n\n// Named barrier",
             "    st.advance();\n    if (interleave && ks + 1 < k_steps) {\n      st.advance();\n      ++ks;\n    }\n"
             "  } while (++ks < k_steps);\n}\n\n// Named barrier",
+        ),
+    ],
+    # Trace probes (read with --trace; timing unchanged but for two clock reads per stage): the producer's
+    # "empty_wait" in kernel_trace's output then holds thread 0's time inside one part of its stage loop instead of
+    # its empty-slot wait. The 2026-11-23 traces: an fp8 GEMM0 stage takes ~0.53 us of the producer's loop, of
+    # which ~0.1 us is the empty-slot wait. probe_tma_issue: time in mbar_arrive_expect_tx + the weights' TMA (and
+    # the weight scales' cp.async), i.e. how long the TMA issue stalls (back-pressure); probe_row_issue: time in
+    # the token rows' and row scales' cp.async and their arrive.
+    "probe_tma_issue": [
+        _PRODUCER_WAIT_UNTIMED,
+        (
+            "csrc/flashmoe/gemm.cuh",
+            "      if (tid == 0) {\n        mbar_arrive_expect_tx(full, kStageWeightBytes);\n"
+            "        issue_weights(stage, full, ks, scales + kWeightScaleSlot * 4);\n      }",
+            "      if (tid == 0) {\n        const uint64_t wait_start = trace_clock();\n"
+            "        mbar_arrive_expect_tx(full, kStageWeightBytes);\n"
+            "        issue_weights(stage, full, ks, scales + kWeightScaleSlot * 4);\n"
+            "        waited += trace_clock() - wait_start;\n      }",
+        ),
+    ],
+    "probe_row_issue": [
+        _PRODUCER_WAIT_UNTIMED,
+        (
+            "csrc/flashmoe/gemm.cuh",
+            "      const uint32_t tokens = smem_addr(stage + kStageWeightBytes);\n",
+            "      const uint64_t wait_start = trace_clock();\n"
+            "      const uint32_t tokens = smem_addr(stage + kStageWeightBytes);\n",
+        ),
+        (
+            "csrc/flashmoe/gemm.cuh",
+            "      mbar_arrive_on_cp_async(full);\n      st.advance();",
+            "      mbar_arrive_on_cp_async(full);\n      waited += trace_clock() - wait_start;\n      st.advance();",
         ),
     ],
     # Polls back off: a block waiting for an expert's GEMM0 (ActReadiness, a warp of acquire loads on one line)
