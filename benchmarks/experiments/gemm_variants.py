@@ -128,6 +128,36 @@ _UNGUARD = (
     _WAIT_STAGE_FULL,
 )
 
+
+def _l2_prefetch_ahead(distance):
+    """Patches: a 5-D L2 prefetch helper, and each GEMM0/GEMM1 weight load followed by an L2 prefetch of the K
+    step `distance` ahead in the same task (none past its end)."""
+    return [
+        (
+            "csrc/flashmoe/hopper.cuh",
+            "\n// ---- cp.async (src_bytes 0 zero-fills without reading)",
+            "\n__device__ __forceinline__ void tma_prefetch_l2_5d(const CUtensorMap* map, int c0, int c1, int c2, int c3,"
+            ' int c4) {\n  asm volatile("cp.async.bulk.prefetch.tensor.5d.L2.global.tile [%0, {%1, %2, %3, %4, %5}];\\n"'
+            ' ::"l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4)'
+            ' : "memory");\n}\n\n// ---- cp.async (src_bytes 0 zero-fills without reading)',
+        ),
+        (
+            "csrc/flashmoe/tasks.cuh",
+            "tma_load_5d(stage, &p.tmap_w13, full, k * tile_k(kFp8), 0, 0, feature_group, task.expert, stream_policy);",
+            "tma_load_5d(stage, &p.tmap_w13, full, k * tile_k(kFp8), 0, 0, feature_group, task.expert, stream_policy);\n"
+            f"              if (ks + {distance} < k_steps)\n"
+            f"                tma_prefetch_l2_5d(&p.tmap_w13, (k + {distance}) * tile_k(kFp8), 0, 0, feature_group, task.expert);",
+        ),
+        (
+            "csrc/flashmoe/tasks.cuh",
+            "tma_load_3d(stage, &p.tmap_w2, full, ks * tile_k(kFp8), 0, w2_group, stream_policy);",
+            "tma_load_3d(stage, &p.tmap_w2, full, ks * tile_k(kFp8), 0, w2_group, stream_policy);\n"
+            f"            if (ks + {distance} < k_steps)\n"
+            f"              tma_prefetch_l2_3d(&p.tmap_w2, (ks + {distance}) * tile_k(kFp8), 0, w2_group);",
+        ),
+    ]
+
+
 # The producer's empty-slot wait, no longer timed (the probe variants time another part of the loop instead).
 _PRODUCER_WAIT_UNTIMED = (
     "csrc/flashmoe/gemm.cuh",
@@ -334,6 +364,12 @@ VARIANTS = {
             "      mbar_arrive_on_cp_async(full);\n      waited += trace_clock() - wait_start;\n      st.advance();",
         ),
     ],
+    # Each weight stage issued also prefetches into L2 the stage one ring ahead (8 K steps, the fp8 N = 32 ring),
+    # so ~twice the ring's bytes are in flight from HBM per SM without more shared memory. For the tail's per-SM rate
+    # (~30-42 GB/s where tma_stream pulls ~100): it helps if that rate is latency x ring depth, not if the TMA unit
+    # itself is the bound (the prefetches take its queue too).
+    "l2_prefetch_ahead": _l2_prefetch_ahead(8),
+    "l2_prefetch_ahead_16": _l2_prefetch_ahead(16),
     # Polls back off: a block waiting for an expert's GEMM0 (ActReadiness, a warp of acquire loads on one line)
     # and a block at a grid barrier sleep 256 ns between looks. The 2026-11-23 traces: where 48-60 SMs stream and
     # the rest poll, each streams ~30-40 GB/s, a third of what tma_stream gives one SM with nobody polling; if
