@@ -148,8 +148,8 @@ def streaming_timeline(producer: list[dict], H: int, I: int, fp8: bool, bin_us: 
 def per_sm_rates(timeline: list[dict], full: float = 120.0, few: float = 100.0) -> dict:
     """Weight GB/s per issuing SM, median over the timeline's bins where at least `full` SMs issue and where
     fewer than `few` do (a bin with under 8 issuing SMs says little). If the rate where few SMs issue is no higher
-    than where all do, each SM's stream is bounded by its own bytes in flight, not by HBM: a partial wave then
-    streams at (its SMs x that rate) however idle HBM is."""
+    than where all do, something per SM bounds the stream, not HBM: a partial wave then streams at (its SMs x that
+    rate) however idle HBM is."""
 
     def rate(b):
         return b["tb_per_s"] * 1e3 / sum(b["sms_issuing"])

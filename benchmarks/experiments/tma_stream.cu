@@ -41,7 +41,10 @@ __device__ __forceinline__ void tma5d_evict_first(void* dst, const CUtensorMap* 
   asm volatile("cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1, {%3, %4, %5, %6, %7}], [%2], %8;"
                ::"r"(smem_addr(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4), "l"(policy) : "memory");
 }
-struct Cfg { int stages, kbox, rbox, tile_rows; int five_d; int three_d; int evict_first = 0; int fp8 = 0; int pollers = 0; };  // pollers: extra blocks that only poll (below)  // fp8: w13 as e4m3 [rows][2048 B], 128 K per box  // three_d: rows viewed as [rows/8][8]  // kbox: 64-k boxes per stage along K; rbox: 128-row boxes along rows
+// kbox: 64-k boxes per stage along K; rbox: 128-row boxes along rows; three_d: rows viewed as [rows/8][8];
+// evict_first: the kernel's L2 hint on the 5-D load; fp8: w13 as e4m3 [rows][2048 B], 128 K per box;
+// pollers: extra blocks that only poll (below).
+struct Cfg { int stages, kbox, rbox, tile_rows; int five_d; int three_d; int evict_first = 0; int fp8 = 0; int pollers = 0; };
 
 // The last `c.pollers` blocks do what a megakernel block waiting for GEMM1 readiness does (tasks.cuh ActReadiness):
 // a warp spins on acquire loads of 32 words of one line, no back-off, until every streaming block has finished
