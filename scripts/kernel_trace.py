@@ -33,7 +33,6 @@ import statistics
 import sys
 from pathlib import Path
 
-os.environ["FLASHMOE_TRACE"] = "1"  # before flashmoe loads its library
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
@@ -145,17 +144,21 @@ def streaming_timeline(producer: list[dict], H: int, I: int, fp8: bool, bin_us: 
     ]
 
 
-def per_sm_rates(timeline: list[dict], full: float = 120.0, few: float = 100.0) -> dict:
-    """Weight GB/s per issuing SM, median over the timeline's bins where at least `full` SMs issue and where
-    fewer than `few` do (a bin with under 8 issuing SMs says little). If the rate where few SMs issue is no higher
+# per_sm_rates' bins: "full" where at least FULL_WAVE_SMS SMs issue, "sparse" where MIN_SPARSE_SMS to FEW_SMS - 1 do.
+FULL_WAVE_SMS, FEW_SMS, MIN_SPARSE_SMS = 120, 100, 8
+
+
+def per_sm_rates(timeline: list[dict]) -> dict:
+    """Weight GB/s per issuing SM, median over the timeline's full-wave bins and over its sparse bins (a bin with
+    under MIN_SPARSE_SMS issuing SMs says little). If the rate where few SMs issue is no higher
     than where all do, something per SM bounds the stream, not HBM: a partial wave then streams at (its SMs x that
     rate) however idle HBM is."""
 
     def rate(b):
         return b["tb_per_s"] * 1e3 / sum(b["sms_issuing"])
 
-    busy = sorted(rate(b) for b in timeline if sum(b["sms_issuing"]) >= full)
-    sparse = sorted(rate(b) for b in timeline if 8 <= sum(b["sms_issuing"]) < few)
+    busy = [rate(b) for b in timeline if sum(b["sms_issuing"]) >= FULL_WAVE_SMS]
+    sparse = [rate(b) for b in timeline if MIN_SPARSE_SMS <= sum(b["sms_issuing"]) < FEW_SMS]
     return {
         "full_gb_per_s_per_sm": round(median(busy), 1) if busy else None,
         "full_bins": len(busy),
@@ -353,23 +356,33 @@ def print_case(shape: str, T: int, blocks: int, err: float, summary: dict) -> No
         r = summary.get("per_sm_rates") or {}
         if r.get("full_gb_per_s_per_sm") or r.get("sparse_gb_per_s_per_sm"):
             print(
-                f"  per issuing SM: {r['full_gb_per_s_per_sm']} GB/s where >= 120 SMs issue ({r['full_bins']} bins), "
-                f"{r['sparse_gb_per_s_per_sm']} GB/s where 8-99 do ({r['sparse_bins']} bins)"
+                f"  per issuing SM: {r['full_gb_per_s_per_sm']} GB/s where >= {FULL_WAVE_SMS} SMs issue "
+                f"({r['full_bins']} bins), {r['sparse_gb_per_s_per_sm']} GB/s where {MIN_SPARSE_SMS}-{FEW_SMS - 1} "
+                f"do ({r['sparse_bins']} bins)"
             )
 
 
-def reanalyse(path: Path) -> None:
-    """Print the analysis of a raw trace file (--raw) again, with no GPU: for traces taken before an analysis
-    was added, or to look again."""
+def analyse_raw(path: Path) -> tuple[dict, dict[str, dict]]:
+    """A raw trace file (--raw): the file's document and, per token count, analyse()'s summary of its events."""
     doc = json.loads(path.read_text())
-    fp8 = doc.get("dtype") == "fp8"
+    summaries = {}
     for T, case in doc["cases"].items():
         events = case.get("events")
         if not events:
             raise SystemExit(f"kernel_trace: {path} case T={T} has no events (trace it with --raw)")
         trace = [[[tuple(e) for e in role] for role in block] for block in events]
-        summary = analyse(trace, doc["H"], doc["I"], fp8)
-        print_case(doc["shape"], int(T), len(trace), case.get("rel_err_vs_reference", float("nan")), summary)
+        summaries[T] = analyse(trace, doc["H"], doc["I"], doc.get("dtype") == "fp8")
+    return doc, summaries
+
+
+def reanalyse(path: Path) -> None:
+    """Print the analysis of a raw trace file (--raw) again, with no GPU: for traces taken before an analysis
+    was added, or to look again."""
+    doc, summaries = analyse_raw(path)
+    for T, summary in summaries.items():
+        case = doc["cases"][T]
+        blocks = len(case["events"])
+        print_case(doc["shape"], int(T), blocks, case.get("rel_err_vs_reference", float("nan")), summary)
 
 
 def main():
@@ -388,6 +401,8 @@ def main():
     if args.reanalyse:
         reanalyse(args.reanalyse)
         return
+    # The trace build: read when the first layer builds or loads the library, not at import.
+    os.environ["FLASHMOE_TRACE"] = "1"
     fp8 = args.dtype == "fp8"
     world = int(os.environ.get("WORLD_SIZE", "1"))
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))

@@ -78,17 +78,11 @@ def test_trace_files_are_summarised_into_the_results_file(tmp_path):
     env_before = os.environ.get("FLASHMOE_TRACE")
     out = variants_report.trace_summaries(tmp_path)  # no trace files yet: nothing imported, nothing set
     assert out == {} and os.environ.get("FLASHMOE_TRACE") == env_before
-    kt = sys.modules.get("kernel_trace")
-    if kt is None:
-        sys.path.insert(0, str(REPORT.parents[2] / "scripts"))
-        try:
-            import kernel_trace as kt
-        finally:
-            sys.path.remove(str(REPORT.parents[2] / "scripts"))
-            if env_before is None:
-                os.environ.pop("FLASHMOE_TRACE", None)
-            else:
-                os.environ["FLASHMOE_TRACE"] = env_before
+    sys.path.insert(0, str(REPORT.parents[2] / "scripts"))
+    try:
+        import kernel_trace as kt
+    finally:
+        sys.path.remove(str(REPORT.parents[2] / "scripts"))
     producer = [
         [0, 0, 0, 0, 0, 0],  # the launch's start
         [1_000, 2_000, kt.PRODUCER_TASK, 0, 0 << 24 | 3, 1 << 28 | 32 << 8 | 1],

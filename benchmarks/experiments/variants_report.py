@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -31,24 +30,15 @@ def trace_summaries(directory: Path) -> dict[str, dict]:
         return {}
     repo = Path(__file__).resolve().parents[2]
     sys.path[:0] = [str(repo / "scripts"), str(repo / "plugin")]
-    before = os.environ.get("FLASHMOE_TRACE")
     import kernel_trace  # torch at import: only when there are traces
-
-    # kernel_trace asks for flashmoe's trace build at import; nothing here builds, and a caller's later layers must not.
-    if before is None:
-        os.environ.pop("FLASHMOE_TRACE", None)
-    else:
-        os.environ["FLASHMOE_TRACE"] = before
 
     out = {}
     for f in files:
-        doc = json.loads(f.read_text())
+        doc, summaries = kernel_trace.analyse_raw(f)
         cases = {}
-        for T, case in doc["cases"].items():
-            trace = [[[tuple(e) for e in role] for role in block] for block in case["events"]]
-            summary = kernel_trace.analyse(trace, doc["H"], doc["I"], doc.get("dtype") == "fp8")
+        for T, summary in summaries.items():
             summary.pop("transitions", None)
-            cases[T] = {"rel_err_vs_reference": case.get("rel_err_vs_reference"), **summary}
+            cases[T] = {"rel_err_vs_reference": doc["cases"][T].get("rel_err_vs_reference"), **summary}
         out[f.name.removeprefix("trace_").removesuffix(".json")] = {
             "shape": doc["shape"],
             "dtype": doc.get("dtype"),
