@@ -105,3 +105,21 @@ def test_combined_variants_apply_each_part_in_order(gemm_variants, tmp_path):
     assert "constexpr int kFullArrivals = 1;" in gemm
     with pytest.raises(SystemExit, match="unknown variant 'nope'"):
         gemm_variants.variant_tree("base+nope", tmp_path / "bad")
+
+
+def test_a_diff_combines_with_registered_variants(gemm_variants, tmp_path):
+    """``diff=FILE+name``: the diff first, then the registered variant's patches on the tree it left; the run is
+    named after the diff's stem and the variant (the refuted producer-roles + probe runs of 2026-11-23)."""
+    rel = "csrc/flashmoe/gemm.cuh"
+    line = next(l for l in (REPO / rel).read_text().splitlines() if l.startswith("constexpr int kRowBytesK"))
+    diff = tmp_path / "row-bytes-comment.diff"
+    diff.write_text(f"--- a/{rel}\n+++ b/{rel}\n@@ -1,1 +1,1 @@\n-{line}\n+{line}  // changed by the diff\n")
+    name = f"diff={diff}+no_proxy_fence"
+    root = gemm_variants.variant_tree(name, tmp_path / "tree")
+    gemm = (root / rel).read_text()
+    assert f"{line}  // changed by the diff\n" in gemm
+    ((_, old, new),) = gemm_variants.VARIANTS["no_proxy_fence"]
+    assert new in gemm and old not in gemm
+    assert gemm_variants.run_label(name) == "row-bytes-comment+no_proxy_fence"
+    assert gemm_variants.run_label("csrc=/tmp/older/csrc") == "csrc"
+    assert gemm_variants.run_label("probe_consumer_mma") == "probe_consumer_mma"

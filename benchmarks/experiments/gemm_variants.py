@@ -6,7 +6,8 @@ scripts/kernel_check.py --time-only (a variant's numerics may be wrong: it answe
     python benchmarks/experiments/gemm_variants.py "qwen3-30b/ep4:8" OUT_DIR base,diff=benchmarks/experiments/diffs/X.diff
     python benchmarks/experiments/gemm_variants.py "qwen3-30b/ep4:128" OUT_DIR base,fp8_no_wgmma+no_cp_async --dtype fp8
 
-``a+b`` applies registered variants a and b to one copy, in that order.
+``a+b`` applies registered variants or ``diff=FILE`` parts a and b to one copy, in that order
+(``diff=benchmarks/experiments/diffs/X.diff+probe_consumer_mma``: a candidate with a trace probe).
 
 ``--apply FILE...`` applies kept diffs to the checkout itself, for checks on a device (whose checkout is laid anew
 at every call): ``python benchmarks/experiments/gemm_variants.py --apply benchmarks/experiments/diffs/X.diff``.
@@ -20,7 +21,7 @@ Arguments after the variant list go to kernel_check.py as they are, except ``--t
 run is then also traced at those token counts on the first shape (scripts/kernel_trace.py --raw into
 OUT_DIR/trace_<name>.json; ``kernel_trace.py --reanalyse`` prints its tiles and streaming timeline). Each run leaves
 OUT_DIR/var_<name>.json (a second run of the same variant: var_<name>.run2.json; a csrc=DIR run is named after
-DIR's last component, a diff=FILE run after FILE's stem); benchmarks/experiments/variants_report.py tabulates them
+DIR's last component, a diff=FILE part after FILE's stem); benchmarks/experiments/variants_report.py tabulates them
 and folds each trace's summary into its results file.
 
 Run from the repository root; each variant is built from /tmp/var/<name> (its own JIT cache key).
@@ -105,12 +106,13 @@ def variant_tree(name, root):
     if csrc_dir(name) is not None:
         shutil.rmtree(root / "csrc")
         shutil.copytree(SRC / csrc_dir(name), root / "csrc")
-    elif diff_file(name) is not None:
-        apply_diff(root, (SRC / diff_file(name)).read_text())
     else:
-        # a+b: several registered variants' patches, in order (e.g. fp8_no_wgmma+no_cp_async isolates the weights'
-        # TMA stream); each patch must still match exactly once on the tree the earlier ones left.
+        # a+b: several registered variants' patches or diff=FILE diffs, in order (e.g. fp8_no_wgmma+no_cp_async
+        # isolates the weights' TMA stream); each must still match exactly once on the tree the earlier ones left.
         for part in name.split("+"):
+            if diff_file(part) is not None:
+                apply_diff(root, (SRC / diff_file(part)).read_text())
+                continue
             if part not in VARIANTS:
                 raise SystemExit(
                     f"gemm_variants: unknown variant {part!r} in {name!r}; known: {', '.join(VARIANTS)}"
@@ -118,6 +120,15 @@ def variant_tree(name, root):
             for rel, old, new in VARIANTS[part]:
                 patch(root, rel, old, new)
     return root
+
+
+def run_label(name):
+    """A variant's name in file names: csrc=DIR after DIR's last component, each diff=FILE part after FILE's stem."""
+    if csrc_dir(name) is not None:
+        label = Path(csrc_dir(name)).name
+    else:
+        label = "+".join(Path(diff_file(p)).stem if diff_file(p) is not None else p for p in name.split("+"))
+    return re.sub(r"[^A-Za-z0-9_.+-]", "_", label)
 
 
 # wait_stage_full's first line (the producer's own empty-slot wait, indented deeper, must stay).
@@ -364,6 +375,33 @@ VARIANTS = {
             "      mbar_arrive_on_cp_async(full);\n      waited += trace_clock() - wait_start;\n      st.advance();",
         ),
     ],
+    # probe_consumer_mma: the consumers' "full_wait_in_mainloop" holds an fp8 tile's time from each step's wgmma
+    # fence to its drain (issue + tensor-core latency) instead of its waits for landed stages; the rest of the
+    # mainloop is then the waits, the promotion and the bookkeeping (benchmarks/experiments/wgmma_rate.cu times the
+    # same steps with nothing to wait for).
+    "probe_consumer_mma": [
+        ("csrc/flashmoe/gemm.cuh", "  st.trace_wait += landed - wait_start;\n", "  (void)wait_start;\n"),
+        (
+            "csrc/flashmoe/gemm.cuh",
+            "      float partial[kHalves][N / 2];\n",
+            "      float partial[kHalves][N / 2];\n      const uint64_t mma_start = trace_clock();\n",
+        ),
+        (
+            "csrc/flashmoe/gemm.cuh",
+            "      for (int h = 0; h < kHalves; ++h) fence_accumulators(partial[h]);\n",
+            "      for (int h = 0; h < kHalves; ++h) fence_accumulators(partial[h]);\n"
+            "#if FLASHMOE_TRACE\n      st.trace_wait += trace_clock() - mma_start;\n#endif\n",
+        ),
+    ],
+    # Numerically unsafe (wgmma may read token rows cp.async has not made visible to the async proxy), timing only:
+    # the consumers' fence.proxy.async per stage (wgmma_rate.cu times it with nothing to wait for).
+    "no_proxy_fence": [
+        (
+            "csrc/flashmoe/gemm.cuh",
+            "  pipe_wait(p, g, g.full(st.stage), st.phase());\n#endif\n  fence_proxy_async();\n}",
+            "  pipe_wait(p, g, g.full(st.stage), st.phase());\n#endif\n}",
+        )
+    ],
     # Each weight stage issued also prefetches into L2 the stage one ring ahead (8 K steps, the fp8 N = 32 ring),
     # so ~twice the ring's bytes are in flight from HBM per SM without more shared memory. For the tail's per-SM rate
     # (~30-42 GB/s where tma_stream pulls ~100): it helps if that rate is latency x ring depth, not if the TMA unit
@@ -482,14 +520,7 @@ def main():
     dtype = check_args[check_args.index("--dtype") + 1] if "--dtype" in check_args else "bf16"
     runs: dict[str, int] = {}
     for name in sys.argv[3].split(","):
-        # File-safe run name: csrc=DIR runs are named after DIR's last component, diff=FILE runs after FILE's stem.
-        if csrc_dir(name) is not None:
-            label = Path(csrc_dir(name)).name
-        elif diff_file(name) is not None:
-            label = Path(diff_file(name)).stem
-        else:
-            label = name
-        flat = re.sub(r"[^A-Za-z0-9_.-]", "_", label)
+        flat = run_label(name)
         runs[flat] = runs.get(flat, 0) + 1  # a variant run twice (bracketing the others) keeps both files
         run = f"var_{flat}" if runs[flat] == 1 else f"var_{flat}.run{runs[flat]}"
         root = variant_tree(name, Path("/tmp/var") / flat)

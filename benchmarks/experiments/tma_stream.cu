@@ -5,12 +5,17 @@
 // the limit -- the rate that bounds a small-T tile (results/2026-11-22-h200x1-tma-stream-per-sm.txt).
 //   nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 benchmarks/experiments/tma_stream.cu -o /tmp/tma_stream
 // `tma_stream tail`: the 5-D w13 stream with the kernel's evict-first hint and the fp8 geometry, 48 and all SMs.
+// `tma_stream math`: that fp8 stream with the consumer doing the kernel's fp8 32-token math on each stage (8 wgmma
+// m64n32k32 over the stage's 128 rows, drained; benchmarks/experiments/wgmma_rate.cu times the math alone).
+//   nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 -Icsrc benchmarks/experiments/tma_stream.cu -o /tmp/tma_stream
 #include <cuda.h>
 #include <cuda_runtime.h>
 #include <cstdio>
 #include <cstdint>
 #include <string>
 #include <vector>
+
+#include "flashmoe/hopper.cuh"  // the kernel's wgmma wrappers (math mode); its other helpers stay namespaced
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
 __device__ __forceinline__ void mbar_init(uint64_t* bar, int count) { asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory"); }
@@ -46,8 +51,9 @@ __device__ __forceinline__ void tma5d_hinted(void* dst, const CUtensorMap* map, 
 }
 // kbox: 64-k boxes per stage along K; rbox: 128-row boxes along rows; three_d: rows viewed as [rows/8][8];
 // evict_first: the kernel's L2 hint on the 5-D load; fp8: w13 as e4m3 [rows][2048 B], 128 K per box;
-// pollers: extra blocks that only poll (below).
-struct Cfg { int stages, kbox, rbox, tile_rows; int five_d; int three_d; int evict_first = 0; int fp8 = 0; int pollers = 0; };
+// pollers: extra blocks that only poll (below); math: the consumer runs the kernel's fp8 N = 32 step on each stage
+// (its token operand: 32 fixed rows after the ring).
+struct Cfg { int stages, kbox, rbox, tile_rows; int five_d; int three_d; int evict_first = 0; int fp8 = 0; int pollers = 0; int math = 0; };
 
 // The last `c.pollers` blocks do what a megakernel block waiting for GEMM1 readiness does (tasks.cuh ActReadiness):
 // a warp spins on acquire loads of 32 words of one line, no back-off, until every streaming block has finished
@@ -73,6 +79,8 @@ __global__ void __launch_bounds__(256, 1) stream(const __grid_constant__ CUtenso
   unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   const int box_bytes = 128 * 64 * 2;
   const int stage_bytes = box_bytes * c.kbox * c.rbox;
+  for (int i = threadIdx.x; c.math && i < 32 * 128 / 4; i += blockDim.x)
+    reinterpret_cast<uint32_t*>(smem + c.stages * stage_bytes)[i] = 0x30303030u;  // e4m3 0.125
   __shared__ uint64_t full[16], empty[16];
   if (threadIdx.x == 0) { for (int s = 0; s < c.stages; ++s) { mbar_init(&full[s], 1); mbar_init(&empty[s], 4); }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
@@ -100,15 +108,36 @@ __global__ void __launch_bounds__(256, 1) stream(const __grid_constant__ CUtenso
       }
   } else if (threadIdx.x >= 128 && threadIdx.x < 256) {  // consumer warpgroup: wait, touch, release
     int s = 0; uint32_t ph = 0; int acc = 0;
+    float sums[2][16] = {};
+    const uint64_t tokens = flashmoe::sw128_desc(smem_addr(smem + c.stages * stage_bytes));
     for (int t = blockIdx.x; t < tiles; t += streamers)
       for (int ks = 0; ks < ksteps; ++ks) {
         mbar_wait(&full[s], ph);
-        acc += smem[s * stage_bytes + (threadIdx.x - 128) * 16];
+        if (c.math) {
+          float partial[2][16];
+          flashmoe::wgmma_fence();
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const uint64_t a = flashmoe::sw128_desc(smem_addr(smem + s * stage_bytes + h * 64 * 128));
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk) flashmoe::WgmmaFp8<32>::mma(partial[h], a + 2 * kk, tokens + 2 * kk, kk > 0);
+          }
+          flashmoe::wgmma_commit();
+          flashmoe::wgmma_wait<0>();
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            flashmoe::fence_accumulators(partial[h]);
+#pragma unroll
+            for (int i = 0; i < 16; ++i) sums[h][i] += partial[h][i];
+          }
+        } else {
+          acc += smem[s * stage_bytes + (threadIdx.x - 128) * 16];
+        }
         __syncwarp();
         if ((threadIdx.x & 31) == 0) mbar_arrive(&empty[s]);
         if (++s == c.stages) { s = 0; ph ^= 1; }
       }
-    if (acc == 12345678) sink[0] = acc;
+    if (acc == 12345678 || sums[0][0] + sums[1][15] == 12345.f) sink[0] = acc;
   }
   __syncthreads();
   if (threadIdx.x == 0) { __threadfence(); atomicAdd(done, 1u); }
@@ -128,6 +157,7 @@ int main(int argc, char** argv) {
   // results/2026-11-23-h200x1-fp8-weights-stream.json) where this benchmark's 5-D box gave ~100 at 33 SMs: the same
   // 5-D stream with the kernel's evict-first hint and fp8 geometry (row stride 2048 B), on 48 and all SMs.
   const bool tail = argc > 1 && std::string(argv[1]) == "tail";
+  const bool math = argc > 1 && std::string(argv[1]) == "math";
   const int E = 32, R = 1536, K = 2048;  // Qwen3-30B w13 per EP4 rank: 201 MB
   const size_t rows = (size_t)E * R, bytes = rows * K * 2;
   void* w; cudaMalloc(&w, bytes); cudaMemset(w, 1, bytes);
@@ -186,7 +216,14 @@ int main(int argc, char** argv) {
         {{8, 1, 1, 128, 1, 0, 1, 1, 84}, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, "fp8 ef + 84 pollers"},
     };
   }
-  std::vector<int> grids = sweep ? std::vector<int>{8, 33, 96, sms} : tail ? std::vector<int>{48, sms} : std::vector<int>{sms};
+  if (math) {
+    runs = {
+        {{8, 1, 1, 128, 1, 0, 1, 1}, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, "5D fp8 x8 evict1st"},
+        {{8, 1, 1, 128, 1, 0, 1, 1, 0, 1}, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, "fp8 ef + N32 math"},
+        {{8, 1, 1, 128, 1, 0, 1, 1, 84, 1}, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, "fp8 math+84 pollers"},
+    };
+  }
+  std::vector<int> grids = sweep ? std::vector<int>{8, 33, 96, sms} : tail || math ? std::vector<int>{48, sms} : std::vector<int>{sms};
   printf("%-20s %6s %8s %8s %9s\n", "stage x count", "blocks", "TB/s", "KiB/SM", "GB/s/SM");
   for (int blocks : grids)
   for (auto& r : runs) {
@@ -204,7 +241,7 @@ int main(int argc, char** argv) {
     if (r.c.five_d && r.c.fp8) { if (enc(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 5, w, d5f, s5f, b5f, u5, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, r.l2, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS) { printf("encode5 fp8 failed\n"); return 1; } } else
     if (r.c.five_d) { if (enc(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 5, w, d5, s5, b5, u5, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, r.l2, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS) { printf("encode5 failed\n"); return 1; } } else
     if (enc(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, w, dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, r.l2, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS) { printf("encode failed\n"); return 1; }
-    const int smem = r.c.stages * 16384 * r.c.kbox * r.c.rbox + 1024;
+    const int smem = r.c.stages * 16384 * r.c.kbox * r.c.rbox + 1024 + (r.c.math ? 32 * 128 : 0);
     cudaFuncSetAttribute(stream, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     const int streamers = blocks - r.c.pollers;
     if (streamers <= 0) continue;

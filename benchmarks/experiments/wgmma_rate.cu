@@ -1,0 +1,185 @@
+// Microbenchmark: how fast can one SM's consumer warpgroups get through the megakernel's decode stages when the
+// data is already in shared memory? Each stage is what consume_tile(_fp8) does per K step (gemm.cuh): 128
+// weight rows x 128 B (16 KiB) against N token rows, as wgmma m64nN with both operands from 128-byte-swizzled
+// shared memory; fp8 drains each step (wait_group 0) and promotes the partial sums with their scales, bf16
+// keeps one group in flight (wait_group 1). Nothing is loaded: the stages are filled once and reused, so the
+// time per stage is the consumer's own cost, the rate it can keep up with. One block per SM, all SMs.
+//
+// The kernel's tail streams ~30-42 GB/s of weights per SM (benchmarks/kernel-notes.md, "The fp8 consumer is not
+// the limit"), ~0.4-0.5 us per 16 KiB stage, where tma_stream pulls ~70-100 GB/s per SM; with the weight warp
+// split from the row warps (diffs/2026-11-23-producer-roles.diff) the producer waits for free slots and the
+// consumer does not wait for data, so the consumer's per-stage cost is what this measures.
+//   nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 -Icsrc benchmarks/experiments/wgmma_rate.cu -o /tmp/wgmma_rate
+//   /tmp/wgmma_rate
+#include <cuda_runtime.h>
+
+#include <cstdio>
+
+#include "flashmoe/hopper.cuh"
+
+using namespace flashmoe;
+
+constexpr int kWeightBytes = 128 * 128;               // a stage's 128 weight rows of 128 B
+constexpr int kStageBytes = kWeightBytes + 64 * 128;  // + up to 64 token rows
+constexpr int kRing = 8;
+constexpr int kSmemBytes = kRing * kStageBytes + 1024;
+
+// kWarpgroups consumers; kSplit: each computes its 64 rows of every stage (the kernel's split tiles), else each
+// computes all 128 rows of every kWarpgroups-th stage (1: the kernel's ping-pong owner; 2: an interleave).
+// kSync: the kernel's per-stage synchronisation around the math, kWaitArrive (a completed mbarrier's try_wait
+// and a warp's release arrive) and kProxyFence (fence.proxy.async, which makes cp.async's token rows visible to
+// wgmma); kPromote (fp8): the scale loads and the promotion FMAs.
+constexpr int kWaitArrive = 1, kProxyFence = 2, kKernelSync = kWaitArrive | kProxyFence;
+template <int N, bool kFp8, bool kPromote, int kSync, int kWarpgroups, bool kSplit>
+__global__ void __launch_bounds__(256) stage_loop(int steps, float* sink) {
+  extern __shared__ unsigned char smem_raw[];
+  char* base = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  __shared__ uint64_t full, empty;
+  __shared__ float scales[kRing][N + 8];
+  // Small finite values in either format (e4m3 0x30 = 0.125; bf16 0x3030 ~ 6.4e-10).
+  for (int i = threadIdx.x; i < kRing * kStageBytes / 4; i += blockDim.x) reinterpret_cast<uint32_t*>(base)[i] = 0x30303030u;
+  for (int i = threadIdx.x; i < kRing * (N + 8); i += blockDim.x) (&scales[0][0])[i] = 1.0f + 1e-3f * i;
+  if (threadIdx.x == 0) {
+    mbar_init(&full, 1);
+    mbar_init(&empty, (1 << 20) - 1);  // the largest count: never completes here: the releases only cost their arrive
+    mbar_init_fence();
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) mbar_arrive(&full);  // phase 0 complete: every try_wait below succeeds at once
+  __syncthreads();
+
+  constexpr int kHalves = kSplit ? 1 : 2;
+  const int wg = threadIdx.x / 128, lane = threadIdx.x & 31;
+  const uint32_t first_row = kSplit ? wg * 64 : 0;
+  float acc[kHalves][N / 2];
+#pragma unroll
+  for (int h = 0; h < kHalves; ++h)
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) acc[h][i] = 0.f;
+  const int stride = kSplit ? 1 : kWarpgroups;
+  for (int ks = kSplit ? 0 : wg; ks < steps; ks += stride) {
+    const int s = ks % kRing;
+    if constexpr ((kSync & kWaitArrive) != 0) {
+      while (!mbar_try_wait(&full, 0)) {
+      }
+    }
+    if constexpr ((kSync & kProxyFence) != 0) fence_proxy_async();
+    const uint32_t stage = smem_addr(base + s * kStageBytes);
+    const uint64_t b = sw128_desc(stage + kWeightBytes);
+    if constexpr (kFp8) {
+      float token[N / 4];
+      float weight_lo = 1.f, weight_hi = 1.f;
+      if constexpr (kPromote) {
+        weight_lo = scales[s][N], weight_hi = scales[s][N + 1];
+#pragma unroll
+        for (int j = 0; j < N / 8; ++j) {
+          token[2 * j] = scales[s][8 * j + 2 * (lane & 3)];
+          token[2 * j + 1] = scales[s][8 * j + 2 * (lane & 3) + 1];
+        }
+      }
+      float partial[kHalves][N / 2];
+      wgmma_fence();
+#pragma unroll
+      for (int h = 0; h < kHalves; ++h) {
+        const uint64_t a = sw128_desc(stage + (first_row + h * 64) * 128);
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) WgmmaFp8<N>::mma(partial[h], a + 2 * kk, b + 2 * kk, kk > 0);
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+#pragma unroll
+      for (int h = 0; h < kHalves; ++h) fence_accumulators(partial[h]);
+      if constexpr ((kSync & kWaitArrive) != 0) {
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&empty);
+      }
+#pragma unroll
+      for (int h = 0; h < kHalves; ++h)
+#pragma unroll
+        for (int j = 0; j < N / 8; ++j) {
+          if constexpr (kPromote) {
+            acc[h][4 * j] = fmaf(token[2 * j] * weight_lo, partial[h][4 * j], acc[h][4 * j]);
+            acc[h][4 * j + 1] = fmaf(token[2 * j + 1] * weight_lo, partial[h][4 * j + 1], acc[h][4 * j + 1]);
+            acc[h][4 * j + 2] = fmaf(token[2 * j] * weight_hi, partial[h][4 * j + 2], acc[h][4 * j + 2]);
+            acc[h][4 * j + 3] = fmaf(token[2 * j + 1] * weight_hi, partial[h][4 * j + 3], acc[h][4 * j + 3]);
+          } else {
+#pragma unroll
+            for (int q = 0; q < 4; ++q) acc[h][4 * j + q] += partial[h][4 * j + q];
+          }
+        }
+    } else {
+      wgmma_fence();
+#pragma unroll
+      for (int h = 0; h < kHalves; ++h) {
+        const uint64_t a = sw128_desc(stage + (first_row + h * 64) * 128);
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) Wgmma<N>::mma(acc[h], a + 2 * kk, b + 2 * kk, 1);
+      }
+      wgmma_commit();
+      wgmma_wait<1>();
+      if constexpr ((kSync & kWaitArrive) != 0) {
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&empty);
+      }
+    }
+  }
+  wgmma_wait<0>();
+  float total = 0.f;
+#pragma unroll
+  for (int h = 0; h < kHalves; ++h) {
+    fence_accumulators(acc[h]);
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) total += acc[h][i];
+  }
+  if (total == 12345.f) sink[threadIdx.x] = total;  // keeps the math; never true for these inputs in practice
+}
+
+template <int N, bool kFp8, bool kPromote, int kSync, int kWarpgroups, bool kSplit>
+void run(const char* name, int blocks, float* sink) {
+  auto kernel = stage_loop<N, kFp8, kPromote, kSync, kWarpgroups, kSplit>;
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  const int steps = 8192;
+  cudaEvent_t a, b;
+  cudaEventCreate(&a);
+  cudaEventCreate(&b);
+  kernel<<<blocks, 128 * kWarpgroups, kSmemBytes>>>(steps, sink);  // warm-up
+  float best = 1e30f;
+  for (int rep = 0; rep < 5; ++rep) {
+    cudaEventRecord(a);
+    kernel<<<blocks, 128 * kWarpgroups, kSmemBytes>>>(steps, sink);
+    cudaEventRecord(b);
+    cudaEventSynchronize(b);
+    float ms = 0.f;
+    cudaEventElapsedTime(&ms, a, b);
+    best = ms < best ? ms : best;
+  }
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) {
+    std::printf("%-44s error %s\n", name, cudaGetErrorString(err));
+    return;
+  }
+  const double ns_per_stage = best * 1e6 / steps;
+  std::printf("%-44s %6d %10.1f %10.1f\n", name, blocks, ns_per_stage, kWeightBytes / ns_per_stage);
+}
+
+int main() {
+  int sms = 0;
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+  float* sink = nullptr;
+  cudaMalloc(&sink, 1024 * sizeof(float));
+  std::printf("%-44s %6s %10s %10s\n", "stage (N tokens; warpgroups)", "blocks", "ns/stage", "GB/s/SM");
+  for (int blocks : {sms, 48}) {
+    run<32, true, true, 0, 1, false>("fp8 N32 ping-pong: math only", blocks, sink);
+    run<32, true, false, 0, 1, false>("fp8 N32 ping-pong: no promotion", blocks, sink);
+    run<32, true, true, kWaitArrive, 1, false>("fp8 N32 ping-pong: + wait/arrive", blocks, sink);
+    run<32, true, true, kProxyFence, 1, false>("fp8 N32 ping-pong: + proxy fence", blocks, sink);
+    run<32, true, true, kKernelSync, 1, false>("fp8 N32 ping-pong: + both (the kernel)", blocks, sink);
+    run<32, true, true, kKernelSync, 2, false>("fp8 N32 two warpgroups, alternate stages", blocks, sink);
+    run<32, true, true, kWaitArrive, 2, false>("fp8 N32 two warpgroups, no fence", blocks, sink);
+    run<64, true, true, kKernelSync, 2, true>("fp8 N64 split (the kernel)", blocks, sink);
+    run<32, false, false, kKernelSync, 1, false>("bf16 N32 ping-pong (the kernel)", blocks, sink);
+    run<32, false, false, kWaitArrive, 1, false>("bf16 N32 ping-pong, no fence", blocks, sink);
+    run<64, false, false, kKernelSync, 1, false>("bf16 N64 ping-pong (the kernel)", blocks, sink);
+  }
+  return 0;
+}
