@@ -177,6 +177,7 @@ int main() {
     run<32, true, true, kKernelSync, 2, false>("fp8 N32 two warpgroups, alternate stages", blocks, sink);
     run<32, true, true, kWaitArrive, 2, false>("fp8 N32 two warpgroups, no fence", blocks, sink);
     run<64, true, true, kKernelSync, 2, true>("fp8 N64 split (the kernel)", blocks, sink);
+    run<32, true, true, kKernelSync, 2, true>("fp8 N32 split over two warpgroups", blocks, sink);
     run<32, false, false, kKernelSync, 1, false>("bf16 N32 ping-pong (the kernel)", blocks, sink);
     run<32, false, false, kWaitArrive, 1, false>("bf16 N32 ping-pong, no fence", blocks, sink);
     run<64, false, false, kKernelSync, 1, false>("bf16 N64 ping-pong (the kernel)", blocks, sink);
