@@ -3,11 +3,11 @@
 // The ceiling the GEMM engine's weight streaming is measured against (results/2026-11-22-h200x1-tma-stream.txt).
 // `tma_stream sweep`: the same streams from fewer blocks (8 .. all SMs): what one SM can pull when HBM is not
 // the limit -- the rate that bounds a small-T tile (results/2026-11-22-h200x1-tma-stream-per-sm.txt).
-//   nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 benchmarks/experiments/tma_stream.cu -o /tmp/tma_stream
+//   nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 -Icsrc benchmarks/experiments/tma_stream.cu -o /tmp/tma_stream
+//   (-Icsrc since the eighteenth session: math mode uses the kernel's wgmma wrappers)
 // `tma_stream tail`: the 5-D w13 stream with the kernel's evict-first hint and the fp8 geometry, 48 and all SMs.
 // `tma_stream math`: that fp8 stream with the consumer doing the kernel's fp8 32-token math on each stage (8 wgmma
 // m64n32k32 over the stage's 128 rows, drained; benchmarks/experiments/wgmma_rate.cu times the math alone).
-//   nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 -Icsrc benchmarks/experiments/tma_stream.cu -o /tmp/tma_stream
 #include <cuda.h>
 #include <cuda_runtime.h>
 #include <cstdio>
@@ -81,6 +81,7 @@ __global__ void __launch_bounds__(256, 1) stream(const __grid_constant__ CUtenso
   const int stage_bytes = box_bytes * c.kbox * c.rbox;
   for (int i = threadIdx.x; c.math && i < 32 * 128 / 4; i += blockDim.x)
     reinterpret_cast<uint32_t*>(smem + c.stages * stage_bytes)[i] = 0x30303030u;  // e4m3 0.125
+  if (c.math) flashmoe::fence_proxy_async();  // those generic stores, before wgmma reads them (async proxy)
   __shared__ uint64_t full[16], empty[16];
   if (threadIdx.x == 0) { for (int s = 0; s < c.stages; ++s) { mbar_init(&full[s], 1); mbar_init(&empty[s], 4); }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }

@@ -7,7 +7,7 @@
 //
 // The kernel's tail streams ~30-42 GB/s of weights per SM (benchmarks/kernel-notes.md, "The fp8 consumer is not
 // the limit"), ~0.4-0.5 us per 16 KiB stage, where tma_stream pulls ~70-100 GB/s per SM; with the weight warp
-// split from the row warps (diffs/2026-11-23-producer-roles.diff) the producer waits for free slots and the
+// split from the row warps (diffs/refuted/2026-11-23-producer-roles.diff) the producer waits for free slots and the
 // consumer does not wait for data, so the consumer's per-stage cost is what this measures.
 //   nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 -Icsrc benchmarks/experiments/wgmma_rate.cu -o /tmp/wgmma_rate
 //   /tmp/wgmma_rate
@@ -39,6 +39,7 @@ __global__ void __launch_bounds__(256) stage_loop(int steps, float* sink) {
   // Small finite values in either format (e4m3 0x30 = 0.125; bf16 0x3030 ~ 6.4e-10).
   for (int i = threadIdx.x; i < kRing * kStageBytes / 4; i += blockDim.x) reinterpret_cast<uint32_t*>(base)[i] = 0x30303030u;
   for (int i = threadIdx.x; i < kRing * (N + 8); i += blockDim.x) (&scales[0][0])[i] = 1.0f + 1e-3f * i;
+  fence_proxy_async();  // the stages' generic stores, before wgmma reads them (async proxy)
   if (threadIdx.x == 0) {
     mbar_init(&full, 1);
     mbar_init(&empty, (1 << 20) - 1);  // the largest count: never completes here: the releases only cost their arrive
