@@ -96,8 +96,9 @@ def csrc_dir(name):
 
 
 def variant_tree(name, root):
-    """A fresh copy of the checkout at ``root`` with variant ``name`` applied: a name from VARIANTS, or
-    ``csrc=DIR`` (DIR relative to the checkout) for another tree's csrc/, e.g. an older commit's."""
+    """A fresh copy of the checkout at ``root`` with variant ``name`` applied: a name from VARIANTS, a
+    ``diff=FILE`` diff, several of those joined by ``+``, or ``csrc=DIR`` (DIR relative to the checkout) for another
+    tree's csrc/, e.g. an older commit's."""
     if root.exists():
         shutil.rmtree(root)
     # Sources only: not the checkout's virtual environments (.venv-sglang is 6 GB), caches or results.

@@ -15,7 +15,7 @@
 #include <string>
 #include <vector>
 
-#include "flashmoe/hopper.cuh"  // the kernel's wgmma wrappers (math mode); its other helpers stay namespaced
+#include "flashmoe/hopper.cuh"  // the kernel's own evict-first TMA load and wgmma wrappers, used as flashmoe::
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
 __device__ __forceinline__ void mbar_init(uint64_t* bar, int count) { asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory"); }
@@ -38,16 +38,6 @@ __device__ __forceinline__ void tma3d(void* dst, const CUtensorMap* map, uint64_
 __device__ __forceinline__ void tma5d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1, int c2, int c3, int c4) {
   asm volatile("cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6, %7}], [%2];"
                ::"r"(smem_addr(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4) : "memory");
-}
-// The megakernel's weight loads carry an evict-first L2 policy (tasks.cuh): the same load with a cache hint.
-__device__ __forceinline__ uint64_t l2_policy_evict_first() {
-  uint64_t policy;
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-  return policy;
-}
-__device__ __forceinline__ void tma5d_hinted(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1, int c2, int c3, int c4, uint64_t policy) {
-  asm volatile("cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1, {%3, %4, %5, %6, %7}], [%2], %8;"
-               ::"r"(smem_addr(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4), "l"(policy) : "memory");
 }
 // kbox: 64-k boxes per stage along K; rbox: 128-row boxes along rows; three_d: rows viewed as [rows/8][8];
 // evict_first: the kernel's L2 hint on the 5-D load; fp8: w13 as e4m3 [rows][2048 B], 128 K per box;
@@ -91,14 +81,14 @@ __global__ void __launch_bounds__(256, 1) stream(const __grid_constant__ CUtenso
   const int ksteps = K / ((c.fp8 ? 128 : 64) * c.kbox);  // a box is 128 B of K either way
   if (threadIdx.x == 0) {  // producer
     int s = 0; uint32_t ph = 0;
-    const uint64_t policy = c.evict_first ? l2_policy_evict_first() : 0;  // once, as the kernel's producer does
+    const uint64_t policy = c.evict_first ? flashmoe::l2_policy_evict_first() : 0;  // once, as the kernel's producer does
     for (int t = blockIdx.x; t < tiles; t += streamers)
       for (int ks = 0; ks < ksteps; ++ks) {
         mbar_wait(&empty[s], ph ^ 1);
         mbar_expect(&full[s], stage_bytes);
         if (c.five_d) {
           const int k0 = ks * (c.fp8 ? 128 : 64), group = (t % 12) * 8, expert = t / 12;
-          if (c.evict_first) tma5d_hinted(smem + s * stage_bytes, &map, &full[s], k0, 0, 0, group, expert, policy);
+          if (c.evict_first) flashmoe::tma_load_5d(smem + s * stage_bytes, &map, &full[s], k0, 0, 0, group, expert, policy);
           else tma5d(smem + s * stage_bytes, &map, &full[s], k0, 0, 0, group, expert);
         } else
         if (c.three_d) tma3d(smem + s * stage_bytes, &map, &full[s], ks * 64, 0, t * 16); else
