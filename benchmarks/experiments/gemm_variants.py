@@ -196,13 +196,14 @@ _FP8_NO_PROMOTION = (
       for (int h = 0; h < kHalves; ++h)
 #pragma unroll
         for (int j = 0; j < N / 8; ++j) {
-          acc[h][4 * j] = fmaf(token[2 * j] * weight_lo, partial[h][4 * j], acc[h][4 * j]);
-          acc[h][4 * j + 1] = fmaf(token[2 * j + 1] * weight_lo, partial[h][4 * j + 1], acc[h][4 * j + 1]);
-          acc[h][4 * j + 2] = fmaf(token[2 * j] * weight_hi, partial[h][4 * j + 2], acc[h][4 * j + 2]);
-          acc[h][4 * j + 3] = fmaf(token[2 * j + 1] * weight_hi, partial[h][4 * j + 3], acc[h][4 * j + 3]);
+          const float t0 = token_at(2 * j), t1 = token_at(2 * j + 1);
+          acc[h][4 * j] = fmaf(t0 * weight_lo, partial[h][4 * j], acc[h][4 * j]);
+          acc[h][4 * j + 1] = fmaf(t1 * weight_lo, partial[h][4 * j + 1], acc[h][4 * j + 1]);
+          acc[h][4 * j + 2] = fmaf(t0 * weight_hi, partial[h][4 * j + 2], acc[h][4 * j + 2]);
+          acc[h][4 * j + 3] = fmaf(t1 * weight_hi, partial[h][4 * j + 3], acc[h][4 * j + 3]);
         }
 """,
-    "      (void)weight_lo; (void)weight_hi; (void)token;\n",
+    "      (void)weight_lo; (void)weight_hi; (void)token_at;\n",
 )
 
 VARIANTS = {
@@ -263,6 +264,21 @@ VARIANTS = {
         const int r = (tid >> 3) + 16 * i;""",
             """      for (int i = 0; i < N / 4; ++i) {
         const int r = (tid >> 3) + 4 * i;""",
+        ),
+    ],
+    # 128-token bf16 tiles with a 4-stage ring instead of 5 (timing only): whether a wide tile's rate follows the
+    # bytes in flight per SM (prefill, 2026-11-24: an fp8 128-token tile with no wgmma at all still takes ~0.9 us
+    # per 32 KiB stage on its 4-stage ring).
+    "bf16_wide_4_stages": [
+        (
+            "csrc/flashmoe/gemm.cuh",
+            "  return fit < kMaxStages ? fit : kMaxStages;\n}",
+            "  return n == 128 && !fp8 ? 4 : fit < kMaxStages ? fit : kMaxStages;\n}",
+        ),
+        (
+            "csrc/flashmoe/gemm.cuh",
+            "stages_for(64, false) == 7 && stages_for(128, false) == 5,",
+            "stages_for(64, false) == 7 && stages_for(128, false) == 4,",
         ),
     ],
     # Weights loaded without the evict-first L2 hint (as before 2026-11-22's e8e8ecf): evict_normal is the
@@ -448,7 +464,9 @@ VARIANTS = {
     # still drained before its release. fp8_no_drain: that, and one wgmma group left in flight as in the bf16
     # loop (a stage is released after the next one's wgmmas are issued). fp8_no_wgmma: a stage is released as
     # soon as it has landed. ptxas serialises fp8_no_drain's GEMM1 32-token function (C7514: it cannot place
-    # the loop's accumulator reads), so read that variant's GEMM0 phase (kernel_check's metrics phases).
+    # the loop's accumulator reads), so read that variant's GEMM0 phase (kernel_check's metrics phases). Their
+    # patches predate 128-token fp8 tiles (2026-11-23): fp8_no_drain is for 32- and 64-token tiles only (at 128 its
+    # extra release after the loop would count twice on a stage the late release already freed).
     "fp8_no_promote": [_FP8_INTO_ACC, _FP8_FENCE_ACC, _FP8_NO_PROMOTION],
     "fp8_no_drain": [
         _FP8_INTO_ACC,
@@ -463,7 +481,9 @@ VARIANTS = {
         ),
         (
             "csrc/flashmoe/gemm.cuh",
+            "      if (!kScalesFromStage && last) {\n        __syncwarp();\n"
             "        if (lane == 0) mbar_arrive(g.empty(st.stage), kReleases);\n      }",
+            "      if (!kScalesFromStage && last) {\n        __syncwarp();\n"
             "        if (lane == 0 && ks > 0) mbar_arrive(g.empty(st.stage == 0 ? st.num_stages - 1 : st.stage - 1), kReleases);\n      }",
         ),
         (
@@ -516,7 +536,8 @@ def main():
             print(f"applied {path}")
         return
     timings = sys.argv[1]
-    out = Path(sys.argv[2])
+    out = Path(sys.argv[2]).resolve()  # absolute: each run's cwd is its variant's tree
+    out.mkdir(parents=True, exist_ok=True)  # a missing directory would lose every result file, not fail early
     trace_tokens, check_args = trace_option(sys.argv[4:])
     dtype = check_args[check_args.index("--dtype") + 1] if "--dtype" in check_args else "bf16"
     runs: dict[str, int] = {}

@@ -22,7 +22,10 @@
 // accumulators times (token scale x weight scale) -- the tensor core's fp8 accumulation keeps ~13 bits, so
 // partial sums longer than one block would lose precision (DeepGEMM does the same). The promotion registers
 // double the accumulator footprint, so fp8 tiles are ping-pong up to 32 tokens and split (two warpgroups) at
-// 64, the widest fp8 tile.
+// 64 and 128. A 128-token fp8 tile (prefill: an expert with more than 64 rows) holds 64 + 64 fp32 registers
+// per consumer thread and reads its token scales from the stage as it promotes, so it releases a stage after
+// the promotion, not before; its GEMM0 epilogue stages 128 tokens x 128 fp32 features (66 KiB), which leaves
+// 4 stages.
 //
 // The pipeline is drained only when the tile width changes (the stage pool is re-carved, PipeState::enter);
 // otherwise the producer runs ahead into the next tile while the consumers run an epilogue. Tasks (tasks.cuh)
@@ -62,8 +65,6 @@ constexpr int kEmptyArrivals = kConsumers * 4;       // every consumer warp once
 // a ping-pong warpgroup holds 128 x n fp32 accumulators, which fits the register budget up to n = 64 (bf16)
 // or n = 32 (fp8, whose promotion registers double that).
 __host__ __device__ constexpr bool ping_pong(int n, bool fp8) { return n <= (fp8 ? 32 : 64); }
-// Widest token tile of a format.
-__host__ __device__ constexpr int max_tile_tokens(bool fp8) { return fp8 ? 64 : kMaxTileTokens; }
 // Weight rows of a tile one consumer warpgroup computes, and their 64-row halves (one accumulator set each).
 __host__ __device__ constexpr int consumer_rows(int n, bool fp8) {
   return ping_pong(n, fp8) ? kTileWeightRows : kConsumerRows;
@@ -71,11 +72,11 @@ __host__ __device__ constexpr int consumer_rows(int n, bool fp8) {
 // bf16 epilogue staging, per consumer: [token][feature] bf16, rows padded by 16 B to spread banks.
 __host__ __device__ constexpr int staging_stride(int n, bool fp8) { return consumer_rows(n, fp8) + 8; }
 // fp8 GEMM0 staging: fp32 SwiGLU values [token][128 features] (padded by 16 B), so the epilogue can take each
-// token's 128-group maximum before quantising. A ping-pong consumer's 32 tokens fill its area; a split tile's
-// 64 tokens span both consumers' areas (each writes its features' columns).
+// token's 128-group maximum before quantising. A ping-pong consumer's 32 tokens fill its half of the area; a
+// split tile's 64 or 128 tokens span the whole area (each consumer writes its features' columns).
 constexpr int kFp8StagingStride = kTileKFp8 + 4;                   // floats
 constexpr int kFp8Gemm0Passes = kTileKFp8 / 64;  // an fp8 GEMM0 task: 128 features = two 64-feature weight tiles
-constexpr int kFp8ConsumerStagingBytes = 32 * kFp8StagingStride * 4;
+__host__ __device__ constexpr int fp8_staging_bytes(int n) { return (n < 64 ? 64 : n) * kFp8StagingStride * 4; }
 
 static_assert(kThreads == kProducerThreads + kConsumers * 128, "one producer and two consumer warpgroups");
 static_assert(kConsumers * kConsumerRows == kHiddenMultiple, "GEMM1 output tile = H step");
@@ -114,7 +115,7 @@ static_assert(kRowRankOffset + kConsumers * kMaxTileTokens * 4 <= kPoolOffset, "
 
 __host__ __device__ constexpr int stage_bytes(int n) { return kStageWeightBytes + n * kRowBytesK; }
 __host__ __device__ constexpr int staging_bytes(int n, bool fp8) {
-  return fp8 ? kConsumers * kFp8ConsumerStagingBytes : kConsumers * n * staging_stride(n, fp8) * 2;
+  return fp8 ? fp8_staging_bytes(n) : kConsumers * n * staging_stride(n, fp8) * 2;
 }
 __host__ __device__ constexpr int stages_for(int n, bool fp8) {
   const int fit = (kStagePoolBytes - staging_bytes(n, fp8)) / stage_bytes(n);
@@ -122,13 +123,15 @@ __host__ __device__ constexpr int stages_for(int n, bool fp8) {
 }
 static_assert(stages_for(32, false) == 9 && stages_for(64, false) == 7 && stages_for(128, false) == 5,
               "bf16 stage counts per tile width");
-static_assert(stages_for(32, true) == 8 && stages_for(64, true) == 7, "fp8 stage counts per tile width");
+static_assert(stages_for(32, true) == 8 && stages_for(64, true) == 7 && stages_for(128, true) == 4,
+              "fp8 stage counts per tile width");
 static_assert(stage_bytes(32) % 1024 == 0 && stage_bytes(64) % 1024 == 0 && stage_bytes(128) % 1024 == 0,
               "stages stay 1024-byte aligned");
-static_assert(kFp8ConsumerStagingBytes >= 32 * staging_stride(32, true) * 2 &&
-                  kFp8ConsumerStagingBytes >= 64 * staging_stride(64, true) * 2 &&
-                  kConsumers * kFp8ConsumerStagingBytes >= 64 * kFp8StagingStride * 4,
-              "fp8 staging holds the GEMM1 bf16 rows of a consumer and a split GEMM0 tile's fp32 rows");
+static_assert(fp8_staging_bytes(32) / kConsumers >= 32 * kFp8StagingStride * 4 &&
+                  fp8_staging_bytes(32) / kConsumers >= 32 * staging_stride(32, true) * 2 &&
+                  fp8_staging_bytes(64) / kConsumers >= 64 * staging_stride(64, true) * 2 &&
+                  fp8_staging_bytes(128) / kConsumers >= 128 * staging_stride(128, true) * 2,
+              "fp8 staging: a ping-pong consumer's fp32 rows in its half, a consumer's GEMM1 bf16 rows in its half");
 
 struct GemmSmem {
   char* base;
@@ -144,12 +147,11 @@ struct GemmSmem {
   }
   // A consumer's bf16 staging (GEMM1 rows, bf16 GEMM0 rows).
   __device__ bf16* staging(int consumer, int n, bool fp8) const {
-    const int consumer_bytes = fp8 ? kFp8ConsumerStagingBytes : n * staging_stride(n, fp8) * 2;
-    return reinterpret_cast<bf16*>(staging_base(n, fp8) + consumer * consumer_bytes);
+    return reinterpret_cast<bf16*>(staging_base(n, fp8) + consumer * (staging_bytes(n, fp8) / kConsumers));
   }
   // fp8 GEMM0 fp32 staging: a ping-pong consumer's own area, or (split tiles) both areas as one.
   __device__ float* fp8_staging(int consumer, int n) const {
-    return reinterpret_cast<float*>(staging_base(n, true) + (ping_pong(n, true) ? consumer * kFp8ConsumerStagingBytes : 0));
+    return reinterpret_cast<float*>(staging_base(n, true) + (ping_pong(n, true) ? consumer * (fp8_staging_bytes(n) / kConsumers) : 0));
   }
   __device__ float* scales(int s) const {
     return reinterpret_cast<float*>(base + kPoolOffset + kStagePoolBytes) + s * kScaleSlotFloats;
@@ -238,16 +240,14 @@ struct PipeState {
   }
 };
 
-// Token tile for an expert with `rows` rows: the smallest that holds them, else tiles of the widest.
-__host__ __device__ constexpr int tile_tokens_for(int rows, bool fp8) {
-  return rows <= 32 ? 32 : rows <= 64 ? 64 : max_tile_tokens(fp8);
-}
+// Token tile for an expert with `rows` rows (either format): the smallest that holds them, else tiles of the
+// widest.
+__host__ __device__ constexpr int tile_tokens_for(int rows) { return rows <= 32 ? 32 : rows <= 64 ? 64 : kMaxTileTokens; }
 
-// Runs f(std::integral_constant<int, N>{}) for a tile width N from tile_tokens_for (32, 64 or 128; fp8 32, 64).
-template <bool kFp8, typename F>
+// Runs f(std::integral_constant<int, N>{}) for a tile width N from tile_tokens_for (32, 64 or 128).
+template <typename F>
 __device__ __forceinline__ void with_tile_tokens(int n, F&& f) {
   if (n == 32) f(std::integral_constant<int, 32>{});
-  else if constexpr (kFp8) f(std::integral_constant<int, 64>{});
   else if (n == 64) f(std::integral_constant<int, 64>{});
   else f(std::integral_constant<int, 128>{});
 }
@@ -263,7 +263,7 @@ template <bool kFp8, typename RowAt, typename ScaleAt, typename IssueWeights, ty
 __device__ __forceinline__ void produce_tile(const Params& p, const GemmSmem& g, PipeState& st, int n, int rows,
                                              int k_steps, RowAt row_at, ScaleAt scale_at, IssueWeights issue_weights,
                                              RowsReady rows_ready) {
-  with_tile_tokens<kFp8>(n, [&](auto tile) {
+  with_tile_tokens(n, [&](auto tile) {
     constexpr int N = decltype(tile)::value;
     st.enter<kFp8>(N);
     const int tid = threadIdx.x;  // 0..127
@@ -373,10 +373,13 @@ __device__ __forceinline__ void consume_tile(const Params& p, const GemmSmem& g,
 // are promoted into acc with the step's scales: acc += (token scale * weight scale) * partial, the
 // reference's order (flashmoe/reference_fp8.py). Row r0 = 16 w + l/4 of a half takes the stage's first
 // weight scale, row r0 + 8 the second: GEMM0's gate and up rows (the w13 box interleaves 8 of each), GEMM1's
-// one block twice. The stage is released once its scales are in registers.
+// one block twice. Up to 64 tokens the stage is released once its scales are in registers; a 128-token tile's
+// 32 token scales per thread would not fit beside its 128 accumulator registers, so it reads them from the
+// stage as it promotes and releases the stage after.
 template <int N, int kHalves = ping_pong(N, true) ? 2 : 1>
 __device__ __forceinline__ void consume_tile_fp8(const Params& p, const GemmSmem& g, PipeState& st, int k_steps,
                                                  float (&acc)[kHalves][N / 2]) {
+  constexpr bool kScalesFromStage = N == kMaxTileTokens;
   const int consumer = threadIdx.x / 128 - 1;
   const int lane = threadIdx.x & 31;
   constexpr uint32_t kReleases = kHalves == 2 ? 2 : 1;
@@ -392,12 +395,17 @@ __device__ __forceinline__ void consume_tile_fp8(const Params& p, const GemmSmem
     const uint64_t b = sw128_desc(stage + kStageWeightBytes);
     const float* scales = g.scales(st.stage);
     const float weight_lo = scales[kWeightScaleSlot], weight_hi = scales[kWeightScaleSlot + 1];
-    float token[N / 4];  // this thread's token columns 8 j + 2 (l % 4) (+1)
+    // This thread's token columns 8 j + 2 (l % 4) (+1).
+    const auto token_scale = [&](int column) { return scales[8 * (column / 2) + 2 * (lane & 3) + column % 2]; };
+    float token[N / 4];
+    if constexpr (!kScalesFromStage) {
 #pragma unroll
-    for (int j = 0; j < N / 8; ++j) {
-      token[2 * j] = scales[8 * j + 2 * (lane & 3)];
-      token[2 * j + 1] = scales[8 * j + 2 * (lane & 3) + 1];
+      for (int c = 0; c < N / 4; ++c) token[c] = token_scale(c);
     }
+    const auto token_at = [&](int c) {
+      if constexpr (kScalesFromStage) return token_scale(c);
+      else return token[c];
+    };
     constexpr int kPerPromotion = kFp8PromoteK / 32;
 #pragma unroll
     for (int k0 = 0; k0 < kTileKFp8 / 32; k0 += kPerPromotion) {
@@ -414,7 +422,8 @@ __device__ __forceinline__ void consume_tile_fp8(const Params& p, const GemmSmem
       wgmma_wait<0>();
 #pragma unroll
       for (int h = 0; h < kHalves; ++h) fence_accumulators(partial[h]);
-      if (k0 + kPerPromotion == kTileKFp8 / 32) {
+      const bool last = k0 + kPerPromotion == kTileKFp8 / 32;
+      if (!kScalesFromStage && last) {
         __syncwarp();
         if (lane == 0) mbar_arrive(g.empty(st.stage), kReleases);
       }
@@ -422,11 +431,16 @@ __device__ __forceinline__ void consume_tile_fp8(const Params& p, const GemmSmem
       for (int h = 0; h < kHalves; ++h)
 #pragma unroll
         for (int j = 0; j < N / 8; ++j) {
-          acc[h][4 * j] = fmaf(token[2 * j] * weight_lo, partial[h][4 * j], acc[h][4 * j]);
-          acc[h][4 * j + 1] = fmaf(token[2 * j + 1] * weight_lo, partial[h][4 * j + 1], acc[h][4 * j + 1]);
-          acc[h][4 * j + 2] = fmaf(token[2 * j] * weight_hi, partial[h][4 * j + 2], acc[h][4 * j + 2]);
-          acc[h][4 * j + 3] = fmaf(token[2 * j + 1] * weight_hi, partial[h][4 * j + 3], acc[h][4 * j + 3]);
+          const float t0 = token_at(2 * j), t1 = token_at(2 * j + 1);
+          acc[h][4 * j] = fmaf(t0 * weight_lo, partial[h][4 * j], acc[h][4 * j]);
+          acc[h][4 * j + 1] = fmaf(t1 * weight_lo, partial[h][4 * j + 1], acc[h][4 * j + 1]);
+          acc[h][4 * j + 2] = fmaf(t0 * weight_hi, partial[h][4 * j + 2], acc[h][4 * j + 2]);
+          acc[h][4 * j + 3] = fmaf(t1 * weight_hi, partial[h][4 * j + 3], acc[h][4 * j + 3]);
         }
+      if (kScalesFromStage && last) {
+        __syncwarp();  // every lane's scale reads before the release
+        if (lane == 0) mbar_arrive(g.empty(st.stage), kReleases);
+      }
     }
     st.advance();
   } while (++ks < k_steps);
@@ -598,6 +612,13 @@ static __device__ __noinline__ TileDone mma_tile_to_staging(const Params& p, con
   return TileDone{st, true};
 }
 
+// Whether a split fp8 GEMM0 task of width n fits its sums (both passes') in a split slot: not at 128 tokens, so
+// the scheduler never splits a call's GEMM0 tiles when one of them is that wide (scheduler.cuh task_counts).
+__host__ __device__ constexpr bool fp8_gemm0_splittable(int n) {
+  return kFp8Gemm0Passes * (ping_pong(n, true) ? 2 : 1) * (n / 2) * 128 <= kSplitSlotFloats;
+}
+static_assert(fp8_gemm0_splittable(32) && fp8_gemm0_splittable(64) && !fp8_gemm0_splittable(128), "split slots");
+
 // fp8: GEMM0 (kGateUp: fp32 SwiGLU values at fp32 staging column `column`; a split task's pass instead leaves
 // its sums in part `pass` of its slot) or GEMM1 (bf16 rows).
 template <bool kGateUp, int N>
@@ -607,8 +628,7 @@ static __device__ __noinline__ PipeState mma_fp8_tile_to_staging(const Params& p
   constexpr int kHalves = ping_pong(N, true) ? 2 : 1;
   float acc[kHalves][N / 2];
   consume_tile_fp8<N>(p, g, st, k_steps, acc);
-  if constexpr (kGateUp) {
-    static_assert(kFp8Gemm0Passes * kHalves * (N / 2) * 128 <= kSplitSlotFloats, "a split slot holds both passes");
+  if constexpr (kGateUp && fp8_gemm0_splittable(N)) {
     if (sk.slots != nullptr) {
       store_split(acc, sk, pass);
       return st;
@@ -628,7 +648,7 @@ __device__ __forceinline__ Staged mma_tile_to_staging(const Params& p, const Gem
                                                       int tile_tokens, int k_steps, const SplitK& sk = SplitK{}) {
   const int consumer = threadIdx.x / 128 - 1;
   Staged out{};
-  with_tile_tokens<kFp8>(tile_tokens, [&](auto tile) {
+  with_tile_tokens(tile_tokens, [&](auto tile) {
     constexpr int N = decltype(tile)::value;
     st.enter<kFp8>(N);
     bf16* staging = g.staging(consumer, N, kFp8);
@@ -668,16 +688,18 @@ __device__ __forceinline__ const float* mma_fp8_gemm0_to_staging(const Params& p
                                                                  int tile_tokens, int k_steps, const SplitK& sk) {
   const int consumer = threadIdx.x / 128 - 1;
   const float* out = nullptr;
-  with_tile_tokens<true>(tile_tokens, [&](auto tile) {
+  with_tile_tokens(tile_tokens, [&](auto tile) {
     constexpr int N = decltype(tile)::value;
     st.enter<true>(N);
     float* staging = g.fp8_staging(consumer, N);
     const int column = ping_pong(N, true) ? 0 : consumer * kConsumerRows / 2;
     for (int pass = 0; pass < kFp8Gemm0Passes; ++pass)
       st = mma_fp8_tile_to_staging<true, N>(p, g, st, k_steps, staging, column + pass * kInterMultiple, sk, pass);
-    if (sk.slots != nullptr) {
-      if (!count_split(sk, consumer)) return;
-      fp8_split_sums_to_staging<N>(sk, staging, column);
+    if constexpr (fp8_gemm0_splittable(N)) {
+      if (sk.slots != nullptr) {
+        if (!count_split(sk, consumer)) return;
+        fp8_split_sums_to_staging<N>(sk, staging, column);
+      }
     }
     out = staging;
   });
@@ -688,7 +710,7 @@ __device__ __forceinline__ const float* mma_fp8_gemm0_to_staging(const Params& p
 // the tile's stages (and a width change meets the block barrier like everyone else).
 template <bool kFp8>
 __device__ __forceinline__ void skip_tile(PipeState& st, int tile_tokens, int k_steps) {
-  with_tile_tokens<kFp8>(tile_tokens, [&](auto tile) {
+  with_tile_tokens(tile_tokens, [&](auto tile) {
     st.enter<kFp8>(decltype(tile)::value);
     for (int ks = 0; ks < k_steps; ++ks) st.advance();
   });

@@ -12,7 +12,7 @@
 // per pair). Every GEMM0 task is taken before any GEMM1 task and a block issues all loads of a task before
 // it takes the next, so the wait cannot deadlock; at small T it overlaps GEMM1's weight stream with GEMM0.
 //
-// Each expert gets the smallest token tile that holds its rows (32, 64, else 128-row tiles; fp8 64-row tiles),
+// Each expert gets the smallest token tile that holds its rows (32, 64, else 128-row tiles),
 // so decode experts with a handful of rows cost one weight pass.
 //
 // Small T: a call whose GEMM0 tiles leave blocks idle (a DP decode step at c = 1: 2-4 experts per rank, 24-48
@@ -33,11 +33,12 @@ struct ExpertTable {
   int count[kMaxLocalExperts];             // rows received per local expert
   int row_offset[kMaxLocalExperts + 1];    // first activation row of each expert (prefix of counts)
   int tile_offset[kMaxLocalExperts + 1];   // first token tile of each expert (prefix of its tile counts)
+  int max_count;                           // the most rows of any local expert
 };
 
 template <bool kFp8>
 __device__ __forceinline__ int token_tiles(int rows) {
-  return rows == 0 ? 0 : ceil_div(rows, tile_tokens_for(rows, kFp8));
+  return rows == 0 ? 0 : ceil_div(rows, tile_tokens_for(rows));
 }
 
 // Fill the table from the workspace counters (all blocks compute the same thing): warp 0 scans the counts 32
@@ -49,10 +50,11 @@ __device__ void build_expert_table(const Params& p, ExpertTable& t) {
   __syncthreads();
   if (threadIdx.x < 32) {
     const int lane = threadIdx.x;
-    int rows_before = 0, tiles_before = 0;
+    int rows_before = 0, tiles_before = 0, max_count = 0;
     for (int base = 0; base < p.num_local; base += 32) {
       const int e = base + lane;
       const int count = e < p.num_local ? t.count[e] : 0;
+      max_count = max(max_count, __reduce_max_sync(0xffffffffu, static_cast<unsigned>(count)));
       const int tiles = token_tiles<kFp8>(count);
       int rows_incl = count, tiles_incl = tiles;
 #pragma unroll
@@ -74,6 +76,7 @@ __device__ void build_expert_table(const Params& p, ExpertTable& t) {
     if (lane == 0) {
       t.row_offset[p.num_local] = rows_before;
       t.tile_offset[p.num_local] = tiles_before;
+      t.max_count = max_count;
     }
   }
   __syncthreads();
@@ -135,7 +138,10 @@ __device__ __forceinline__ TaskCounts task_counts(const Params& p, const ExpertT
   c.k_steps[0] = p.hidden_size / tile_k(kFp8);
   c.k_steps[1] = p.intermediate_size / tile_k(kFp8);
   const int tiles0 = t.tile_offset[p.num_local] * c.feature_tiles[0];
-  c.gemm0_splits = gemm0_splits(tiles0, static_cast<int>(gridDim.x), c.k_steps[0], p.gemm0_max_splits);
+  // fp8: a 128-token tile's sums do not fit a split slot, so a call with one is not split (prefill-sized
+  // experts: such calls rarely leave blocks idle anyway).
+  const bool splittable = !kFp8 || fp8_gemm0_splittable(tile_tokens_for(t.max_count));
+  c.gemm0_splits = gemm0_splits(tiles0, static_cast<int>(gridDim.x), c.k_steps[0], splittable ? p.gemm0_max_splits : 1);
   c.gemm0 = tiles0 * c.gemm0_splits;
   c.total = c.gemm0 + t.tile_offset[p.num_local] * c.feature_tiles[1];
   return c;
@@ -175,7 +181,7 @@ __device__ __forceinline__ Task decode_task(const ExpertTable& t, int num_local,
   const int local = index - t.tile_offset[lo] * feature_tiles;
   k.expert = lo;
   k.feature_tile = local / tiles;
-  k.tile_tokens = tile_tokens_for(t.count[lo], kFp8);
+  k.tile_tokens = tile_tokens_for(t.count[lo]);
   k.first_row = (local % tiles) * k.tile_tokens;
   const int left = t.count[lo] - k.first_row;
   k.rows = left < k.tile_tokens ? left : k.tile_tokens;
