@@ -196,14 +196,13 @@ _FP8_NO_PROMOTION = (
       for (int h = 0; h < kHalves; ++h)
 #pragma unroll
         for (int j = 0; j < N / 8; ++j) {
-          const float t0 = token_at(2 * j), t1 = token_at(2 * j + 1);
-          acc[h][4 * j] = fmaf(t0 * weight_lo, partial[h][4 * j], acc[h][4 * j]);
-          acc[h][4 * j + 1] = fmaf(t1 * weight_lo, partial[h][4 * j + 1], acc[h][4 * j + 1]);
-          acc[h][4 * j + 2] = fmaf(t0 * weight_hi, partial[h][4 * j + 2], acc[h][4 * j + 2]);
-          acc[h][4 * j + 3] = fmaf(t1 * weight_hi, partial[h][4 * j + 3], acc[h][4 * j + 3]);
+          acc[h][4 * j] = fmaf(token[2 * j] * weight_lo, partial[h][4 * j], acc[h][4 * j]);
+          acc[h][4 * j + 1] = fmaf(token[2 * j + 1] * weight_lo, partial[h][4 * j + 1], acc[h][4 * j + 1]);
+          acc[h][4 * j + 2] = fmaf(token[2 * j] * weight_hi, partial[h][4 * j + 2], acc[h][4 * j + 2]);
+          acc[h][4 * j + 3] = fmaf(token[2 * j + 1] * weight_hi, partial[h][4 * j + 3], acc[h][4 * j + 3]);
         }
 """,
-    "      (void)weight_lo; (void)weight_hi; (void)token_at;\n",
+    "      (void)weight_lo; (void)weight_hi; (void)token;\n",
 )
 
 VARIANTS = {
@@ -267,8 +266,8 @@ VARIANTS = {
         ),
     ],
     # 128-token bf16 tiles with a 4-stage ring instead of 5 (timing only): whether a wide tile's rate follows the
-    # bytes in flight per SM (prefill, 2026-11-24: an fp8 128-token tile with no wgmma at all still takes ~0.9 us
-    # per 32 KiB stage on its 4-stage ring).
+    # bytes in flight per SM (prefill, 2026-11-23: an fp8 128-token tile with no wgmma at all still took ~0.9 us
+    # per 32 KiB stage on its 4-stage ring). Measured: no change (1.00x), so the ring's depth is not the bound.
     "bf16_wide_4_stages": [
         (
             "csrc/flashmoe/gemm.cuh",
@@ -464,9 +463,8 @@ VARIANTS = {
     # still drained before its release. fp8_no_drain: that, and one wgmma group left in flight as in the bf16
     # loop (a stage is released after the next one's wgmmas are issued). fp8_no_wgmma: a stage is released as
     # soon as it has landed. ptxas serialises fp8_no_drain's GEMM1 32-token function (C7514: it cannot place
-    # the loop's accumulator reads), so read that variant's GEMM0 phase (kernel_check's metrics phases). Their
-    # patches predate 128-token fp8 tiles (2026-11-23): fp8_no_drain is for 32- and 64-token tiles only (at 128 its
-    # extra release after the loop would count twice on a stage the late release already freed).
+    # the loop's accumulator reads), so read that variant's GEMM0 phase (kernel_check's metrics phases). They
+    # change the swap-AB fp8 loop (32- and 64-token tiles), not the token-major 128-token one.
     "fp8_no_promote": [_FP8_INTO_ACC, _FP8_FENCE_ACC, _FP8_NO_PROMOTION],
     "fp8_no_drain": [
         _FP8_INTO_ACC,
@@ -481,9 +479,7 @@ VARIANTS = {
         ),
         (
             "csrc/flashmoe/gemm.cuh",
-            "      if (!kScalesFromStage && last) {\n        __syncwarp();\n"
             "        if (lane == 0) mbar_arrive(g.empty(st.stage), kReleases);\n      }",
-            "      if (!kScalesFromStage && last) {\n        __syncwarp();\n"
             "        if (lane == 0 && ks > 0) mbar_arrive(g.empty(st.stage == 0 ? st.num_stages - 1 : st.stage - 1), kReleases);\n      }",
         ),
         (

@@ -22,10 +22,12 @@
 // accumulators times (token scale x weight scale) -- the tensor core's fp8 accumulation keeps ~13 bits, so
 // partial sums longer than one block would lose precision (DeepGEMM does the same). The promotion registers
 // double the accumulator footprint, so fp8 tiles are ping-pong up to 32 tokens and split (two warpgroups) at
-// 64 and 128. A 128-token fp8 tile (prefill: an expert with more than 64 rows) holds 64 + 64 fp32 registers
-// per consumer thread and reads its token scales from the stage as it promotes, so it releases a stage after
-// the promotion, not before; its GEMM0 epilogue stages 128 tokens x 128 fp32 features (66 KiB), which leaves
-// 4 stages.
+// 64 and 128. A 128-token fp8 tile (prefill: an expert with more than 64 rows) is token-major instead of
+// swap-AB: each consumer's 64 tokens are wgmma's A operand and the stage's 128 weight rows its N side, so a
+// thread's accumulators belong to 2 tokens and the 128-K promotion needs 4 scale products per thread, where a
+// swap-AB thread of that tile holds 32 tokens and needs 64 (the instruction stream that bounded the swap-AB
+// 128-token stage, benchmarks/kernel-notes.md). Its GEMM0 epilogue stages 128 tokens x 128 fp32 features
+// (66 KiB), which leaves 4 stages.
 //
 // The pipeline is drained only when the tile width changes (the stage pool is re-carved, PipeState::enter);
 // otherwise the producer runs ahead into the next tile while the consumers run an epilogue. Tasks (tasks.cuh)
@@ -60,6 +62,12 @@ constexpr int kProducerThreads = 128;
 constexpr int kStageWeightBytes = kTileWeightRows * kTileK * 2;  // 16 KiB
 constexpr int kFullArrivals = 1 + kProducerThreads;  // TMA expect-tx + every producer thread's cp.async
 constexpr int kEmptyArrivals = kConsumers * 4;       // every consumer warp once, or the owner's warps twice
+
+// fp8 tiles of width n whose consumers split the tokens (64 each, all 128 weight rows) rather than the weight
+// rows: token-major, see above.
+__host__ __device__ constexpr bool token_major(int n, bool fp8) { return fp8 && n == kMaxTileTokens; }
+// bf16 staging row stride of a token-major consumer: its 64 tokens x the tile's 128 features, padded by 16 B.
+constexpr int kTokenMajorStride = kTileWeightRows + 8;
 
 // Whether tiles of width n are ping-pong (one warpgroup per tile) or split (both warpgroups, 64 rows each):
 // a ping-pong warpgroup holds 128 x n fp32 accumulators, which fits the register budget up to n = 64 (bf16)
@@ -130,7 +138,7 @@ static_assert(stage_bytes(32) % 1024 == 0 && stage_bytes(64) % 1024 == 0 && stag
 static_assert(fp8_staging_bytes(32) / kConsumers >= 32 * kFp8StagingStride * 4 &&
                   fp8_staging_bytes(32) / kConsumers >= 32 * staging_stride(32, true) * 2 &&
                   fp8_staging_bytes(64) / kConsumers >= 64 * staging_stride(64, true) * 2 &&
-                  fp8_staging_bytes(128) / kConsumers >= 128 * staging_stride(128, true) * 2,
+                  fp8_staging_bytes(128) / kConsumers >= kConsumerRows * kTokenMajorStride * 2,
               "fp8 staging: a ping-pong consumer's fp32 rows in its half, a consumer's GEMM1 bf16 rows in its half");
 
 struct GemmSmem {
@@ -151,7 +159,8 @@ struct GemmSmem {
   }
   // fp8 GEMM0 fp32 staging: a ping-pong consumer's own area, or (split tiles) both areas as one.
   __device__ float* fp8_staging(int consumer, int n) const {
-    return reinterpret_cast<float*>(staging_base(n, true) + (ping_pong(n, true) ? consumer * (fp8_staging_bytes(n) / kConsumers) : 0));
+    const int offset = ping_pong(n, true) ? consumer * (fp8_staging_bytes(n) / kConsumers) : 0;
+    return reinterpret_cast<float*>(staging_base(n, true) + offset);
   }
   __device__ float* scales(int s) const {
     return reinterpret_cast<float*>(base + kPoolOffset + kStagePoolBytes) + s * kScaleSlotFloats;
@@ -242,7 +251,9 @@ struct PipeState {
 
 // Token tile for an expert with `rows` rows (either format): the smallest that holds them, else tiles of the
 // widest.
-__host__ __device__ constexpr int tile_tokens_for(int rows) { return rows <= 32 ? 32 : rows <= 64 ? 64 : kMaxTileTokens; }
+__host__ __device__ constexpr int tile_tokens_for(int rows) {
+  return rows <= 32 ? 32 : rows <= 64 ? 64 : kMaxTileTokens;
+}
 
 // Runs f(std::integral_constant<int, N>{}) for a tile width N from tile_tokens_for (32, 64 or 128).
 template <typename F>
@@ -369,17 +380,15 @@ __device__ __forceinline__ void consume_tile(const Params& p, const GemmSmem& g,
   if (previous >= 0 && warp_leader) mbar_arrive(g.empty(previous), kReleases);
 }
 
-// fp8 consumer side of one tile: each K step (one 128-K scale block) accumulates into fresh registers, which
-// are promoted into acc with the step's scales: acc += (token scale * weight scale) * partial, the
-// reference's order (flashmoe/reference_fp8.py). Row r0 = 16 w + l/4 of a half takes the stage's first
+// fp8 consumer side of one swap-AB tile (N <= 64): each K step (one 128-K scale block) accumulates into fresh
+// registers, which are promoted into acc with the step's scales: acc += (token scale * weight scale) * partial,
+// the reference's order (flashmoe/reference_fp8.py). Row r0 = 16 w + l/4 of a half takes the stage's first
 // weight scale, row r0 + 8 the second: GEMM0's gate and up rows (the w13 box interleaves 8 of each), GEMM1's
-// one block twice. Up to 64 tokens the stage is released once its scales are in registers; a 128-token tile's
-// 32 token scales per thread would not fit beside its 128 accumulator registers, so it reads them from the
-// stage as it promotes and releases the stage after.
+// one block twice. The stage is released once its scales are in registers.
 template <int N, int kHalves = ping_pong(N, true) ? 2 : 1>
 __device__ __forceinline__ void consume_tile_fp8(const Params& p, const GemmSmem& g, PipeState& st, int k_steps,
                                                  float (&acc)[kHalves][N / 2]) {
-  constexpr bool kScalesFromStage = N == kMaxTileTokens;
+  static_assert(!token_major(N, true), "128-token fp8 tiles: consume_tile_fp8_token_major");
   const int consumer = threadIdx.x / 128 - 1;
   const int lane = threadIdx.x & 31;
   constexpr uint32_t kReleases = kHalves == 2 ? 2 : 1;
@@ -395,17 +404,12 @@ __device__ __forceinline__ void consume_tile_fp8(const Params& p, const GemmSmem
     const uint64_t b = sw128_desc(stage + kStageWeightBytes);
     const float* scales = g.scales(st.stage);
     const float weight_lo = scales[kWeightScaleSlot], weight_hi = scales[kWeightScaleSlot + 1];
-    // This thread's token columns 8 j + 2 (l % 4) (+1).
-    const auto token_scale = [&](int column) { return scales[8 * (column / 2) + 2 * (lane & 3) + column % 2]; };
-    float token[N / 4];
-    if constexpr (!kScalesFromStage) {
+    float token[N / 4];  // this thread's token columns 8 j + 2 (l % 4) (+1)
 #pragma unroll
-      for (int c = 0; c < N / 4; ++c) token[c] = token_scale(c);
+    for (int j = 0; j < N / 8; ++j) {
+      token[2 * j] = scales[8 * j + 2 * (lane & 3)];
+      token[2 * j + 1] = scales[8 * j + 2 * (lane & 3) + 1];
     }
-    const auto token_at = [&](int c) {
-      if constexpr (kScalesFromStage) return token_scale(c);
-      else return token[c];
-    };
     constexpr int kPerPromotion = kFp8PromoteK / 32;
 #pragma unroll
     for (int k0 = 0; k0 < kTileKFp8 / 32; k0 += kPerPromotion) {
@@ -422,8 +426,7 @@ __device__ __forceinline__ void consume_tile_fp8(const Params& p, const GemmSmem
       wgmma_wait<0>();
 #pragma unroll
       for (int h = 0; h < kHalves; ++h) fence_accumulators(partial[h]);
-      const bool last = k0 + kPerPromotion == kTileKFp8 / 32;
-      if (!kScalesFromStage && last) {
+      if (k0 + kPerPromotion == kTileKFp8 / 32) {
         __syncwarp();
         if (lane == 0) mbar_arrive(g.empty(st.stage), kReleases);
       }
@@ -431,16 +434,62 @@ __device__ __forceinline__ void consume_tile_fp8(const Params& p, const GemmSmem
       for (int h = 0; h < kHalves; ++h)
 #pragma unroll
         for (int j = 0; j < N / 8; ++j) {
-          const float t0 = token_at(2 * j), t1 = token_at(2 * j + 1);
-          acc[h][4 * j] = fmaf(t0 * weight_lo, partial[h][4 * j], acc[h][4 * j]);
-          acc[h][4 * j + 1] = fmaf(t1 * weight_lo, partial[h][4 * j + 1], acc[h][4 * j + 1]);
-          acc[h][4 * j + 2] = fmaf(t0 * weight_hi, partial[h][4 * j + 2], acc[h][4 * j + 2]);
-          acc[h][4 * j + 3] = fmaf(t1 * weight_hi, partial[h][4 * j + 3], acc[h][4 * j + 3]);
+          acc[h][4 * j] = fmaf(token[2 * j] * weight_lo, partial[h][4 * j], acc[h][4 * j]);
+          acc[h][4 * j + 1] = fmaf(token[2 * j + 1] * weight_lo, partial[h][4 * j + 1], acc[h][4 * j + 1]);
+          acc[h][4 * j + 2] = fmaf(token[2 * j] * weight_hi, partial[h][4 * j + 2], acc[h][4 * j + 2]);
+          acc[h][4 * j + 3] = fmaf(token[2 * j + 1] * weight_hi, partial[h][4 * j + 3], acc[h][4 * j + 3]);
         }
-      if (kScalesFromStage && last) {
-        __syncwarp();  // every lane's scale reads before the release
-        if (lane == 0) mbar_arrive(g.empty(st.stage), kReleases);
-      }
+    }
+    st.advance();
+  } while (++ks < k_steps);
+}
+
+// Tokens of a token-major consumer thread's accumulators: tile rows token_major_row() and + 8 (wgmma m64nN's
+// fp32 layout: warp w, lane l holds rows 16 w + l/4 (+8) and columns 8 j + 2 (l % 4) (+1)).
+__device__ __forceinline__ int token_major_row() {
+  const int consumer = threadIdx.x / 128 - 1, lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
+  return consumer * kConsumerRows + 16 * warp + (lane >> 2);
+}
+
+// fp8 consumer side of a token-major 128-token tile: acc = this consumer's 64 tokens x the tile's 128 weight
+// rows (columns 8 j + 2 (l % 4) (+1): column group j is GEMM0's gate rows for even j and up rows for odd j, the
+// w13 box's interleave, so it takes the first weight scale or the second; GEMM1's one block twice). The same
+// promotion as consume_tile_fp8, acc += (token scale * weight scale) * partial, from 4 products per thread.
+__device__ __forceinline__ void consume_tile_fp8_token_major(const Params& p, const GemmSmem& g, PipeState& st,
+                                                             int k_steps, float (&acc)[kTileWeightRows / 2]) {
+  constexpr int N = kMaxTileTokens;
+  const int consumer = threadIdx.x / 128 - 1;
+  const int lane = threadIdx.x & 31;
+  const int row = token_major_row();
+#pragma unroll
+  for (int i = 0; i < kTileWeightRows / 2; ++i) acc[i] = 0.f;
+  int ks = 0;
+  do {
+    wait_stage_full(p, g, st, ks);
+    const uint32_t stage = smem_addr(g.stage(st.stage, N));
+    const uint64_t a = sw128_desc(stage + kStageWeightBytes + consumer * kConsumerRows * 128);  // the tokens
+    const uint64_t b = sw128_desc(stage);                                                        // the weights
+    const float* scales = g.scales(st.stage);
+    const float weight_lo = scales[kWeightScaleSlot], weight_hi = scales[kWeightScaleSlot + 1];
+    const float token_lo = scales[row], token_hi = scales[row + 8];
+    const float lo_lo = token_lo * weight_lo, lo_hi = token_lo * weight_hi;  // (token row, weight scale)
+    const float hi_lo = token_hi * weight_lo, hi_hi = token_hi * weight_hi;
+    float partial[kTileWeightRows / 2];
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kTileKFp8 / 32; ++kk) WgmmaFp8<kTileWeightRows>::mma(partial, a + 2 * kk, b + 2 * kk, kk > 0);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_accumulators(partial);
+    __syncwarp();
+    if (lane == 0) mbar_arrive(g.empty(st.stage), 1);  // every consumer warp once
+#pragma unroll
+    for (int j = 0; j < kTileWeightRows / 8; ++j) {
+      const float first = j % 2 == 0 ? lo_lo : lo_hi, second = j % 2 == 0 ? hi_lo : hi_hi;
+      acc[4 * j] = fmaf(first, partial[4 * j], acc[4 * j]);
+      acc[4 * j + 1] = fmaf(first, partial[4 * j + 1], acc[4 * j + 1]);
+      acc[4 * j + 2] = fmaf(second, partial[4 * j + 2], acc[4 * j + 2]);
+      acc[4 * j + 3] = fmaf(second, partial[4 * j + 3], acc[4 * j + 3]);
     }
     st.advance();
   } while (++ks < k_steps);
@@ -488,6 +537,38 @@ __device__ __forceinline__ void store_plain(const float (&acc)[N / 2], bf16* sta
     staging[(t + 1) * stride + f] = __float2bfloat16_rn(acc[4 * j + 1]);
     staging[t * stride + f + 8] = __float2bfloat16_rn(acc[4 * j + 2]);
     staging[(t + 1) * stride + f + 8] = __float2bfloat16_rn(acc[4 * j + 3]);
+  }
+}
+
+// Token-major GEMM0 accumulators (consume_tile_fp8_token_major): column groups 2q and 2q + 1 are the gate and
+// up rows of features 8q..8q+7, so a thread holds gate and up of features 8q + 2 (l % 4) (+1) for its 2 tokens.
+// Writes the fp32 SwiGLU values of the consumer's tokens at staging column `column` (64 features).
+__device__ __forceinline__ void store_swiglu_token_major(const float (&acc)[kTileWeightRows / 2], float* staging,
+                                                         int column) {
+  const int row = token_major_row(), lane = threadIdx.x & 31;
+#pragma unroll
+  for (int q = 0; q < kTileWeightRows / 16; ++q) {
+    const int f = column + 8 * q + 2 * (lane & 3);
+    const float* gate = acc + 8 * q;
+    const float* up = acc + 8 * q + 4;
+    *reinterpret_cast<float2*>(staging + row * kFp8StagingStride + f) =
+        make_float2(silu(gate[0]) * up[0], silu(gate[1]) * up[1]);
+    *reinterpret_cast<float2*>(staging + (row + 8) * kFp8StagingStride + f) =
+        make_float2(silu(gate[2]) * up[2], silu(gate[3]) * up[3]);
+  }
+}
+
+// Token-major GEMM1 accumulators: the consumer's 64 tokens x 128 output features as bf16 rows of its staging
+// (its own token rows from 0, kTokenMajorStride apart).
+__device__ __forceinline__ void store_plain_token_major(const float (&acc)[kTileWeightRows / 2], bf16* staging) {
+  const int row = token_major_row() % kConsumerRows, lane = threadIdx.x & 31;
+#pragma unroll
+  for (int j = 0; j < kTileWeightRows / 8; ++j) {
+    const int f = 8 * j + 2 * (lane & 3);
+    *reinterpret_cast<__nv_bfloat162*>(staging + row * kTokenMajorStride + f) =
+        __floats2bfloat162_rn(acc[4 * j], acc[4 * j + 1]);
+    *reinterpret_cast<__nv_bfloat162*>(staging + (row + 8) * kTokenMajorStride + f) =
+        __floats2bfloat162_rn(acc[4 * j + 2], acc[4 * j + 3]);
   }
 }
 
@@ -581,10 +662,17 @@ __device__ __forceinline__ bool reduce_split(float (&acc)[kHalves][kValues], con
 
 // What a consumer's epilogue finds in its staging area after mma_tile_to_staging: `features` bf16 columns per
 // token row, `stride` elements apart, starting at tile feature `first_feature` (GEMM0: SwiGLU'd intermediate
-// features of the tile's 64; GEMM1: output features of the tile's 128).
+// features of the tile's 64; GEMM1: output features of the tile's 128), for the tile's token rows from
+// `first_token` on, at most `tokens` of them (a token-major consumer's 64; otherwise the whole tile).
 struct Staged {
   const bf16* rows;  // null: a split GEMM0 tile whose epilogue another split runs
   int stride, features, first_feature;
+  int first_token = 0, tokens = kMaxTileTokens;
+  // Token rows of a tile with `tile_rows` valid rows that this staging holds.
+  __device__ int valid_tokens(int tile_rows) const {
+    const int left = tile_rows - first_token;
+    return left <= 0 ? 0 : left < tokens ? left : tokens;
+  }
 };
 
 struct TileDone {
@@ -620,26 +708,35 @@ __host__ __device__ constexpr bool fp8_gemm0_splittable(int n) {
 static_assert(fp8_gemm0_splittable(32) && fp8_gemm0_splittable(64) && !fp8_gemm0_splittable(128), "split slots");
 
 // fp8: GEMM0 (kGateUp: fp32 SwiGLU values at fp32 staging column `column`; a split task's pass instead leaves
-// its sums in part `pass` of its slot) or GEMM1 (bf16 rows).
+// its sums in part `pass` of its slot) or GEMM1 (bf16 rows). Token-major tiles (128 tokens) are never split.
 template <bool kGateUp, int N>
 static __device__ __noinline__ PipeState mma_fp8_tile_to_staging(const Params& p, const GemmSmem g, PipeState st,
                                                           int k_steps, void* staging, int column, SplitK sk = SplitK{},
                                                           int pass = 0) {
-  constexpr int kHalves = ping_pong(N, true) ? 2 : 1;
-  float acc[kHalves][N / 2];
-  consume_tile_fp8<N>(p, g, st, k_steps, acc);
-  if constexpr (kGateUp && fp8_gemm0_splittable(N)) {
-    if (sk.slots != nullptr) {
-      store_split(acc, sk, pass);
-      return st;
+  if constexpr (token_major(N, true)) {
+    (void)sk, (void)pass;
+    float acc[kTileWeightRows / 2];
+    consume_tile_fp8_token_major(p, g, st, k_steps, acc);
+    if constexpr (kGateUp) store_swiglu_token_major(acc, static_cast<float*>(staging), column);
+    else store_plain_token_major(acc, static_cast<bf16*>(staging));
+    return st;
+  } else {
+    constexpr int kHalves = ping_pong(N, true) ? 2 : 1;
+    float acc[kHalves][N / 2];
+    consume_tile_fp8<N>(p, g, st, k_steps, acc);
+    if constexpr (kGateUp) {
+      if (sk.slots != nullptr) {
+        store_split(acc, sk, pass);
+        return st;
+      }
     }
-  }
 #pragma unroll
-  for (int h = 0; h < kHalves; ++h) {
-    if constexpr (kGateUp) store_swiglu<N>(acc[h], static_cast<float*>(staging), kFp8StagingStride, column + h * kConsumerRows / 2);
-    else store_plain<N>(acc[h], static_cast<bf16*>(staging), staging_stride(N, true), h * kConsumerRows);
+    for (int h = 0; h < kHalves; ++h) {
+      if constexpr (kGateUp) store_swiglu<N>(acc[h], static_cast<float*>(staging), kFp8StagingStride, column + h * kConsumerRows / 2);
+      else store_plain<N>(acc[h], static_cast<bf16*>(staging), staging_stride(N, true), h * kConsumerRows);
+    }
+    return st;
   }
-  return st;
 }
 
 // `sk`: the split of a split GEMM0 tile (bf16), default: the whole tile.
@@ -658,6 +755,10 @@ __device__ __forceinline__ Staged mma_tile_to_staging(const Params& p, const Gem
       const TileDone done = mma_tile_to_staging<kGateUp, N>(p, g, st, k_steps, staging, sk);
       st = done.st;
       if (!done.staged) return;  // out.rows stays null
+    }
+    if constexpr (token_major(N, kFp8)) {  // fp8 GEMM1 only: this consumer's 64 tokens, all 128 features
+      out = Staged{staging, kTokenMajorStride, kTileWeightRows, 0, consumer * kConsumerRows, kConsumerRows};
+      return;
     }
     const int rows = consumer_rows(N, kFp8);  // weight rows this consumer computed
     const int first_row = ping_pong(N, kFp8) ? 0 : consumer * kConsumerRows;
@@ -692,7 +793,9 @@ __device__ __forceinline__ const float* mma_fp8_gemm0_to_staging(const Params& p
     constexpr int N = decltype(tile)::value;
     st.enter<true>(N);
     float* staging = g.fp8_staging(consumer, N);
-    const int column = ping_pong(N, true) ? 0 : consumer * kConsumerRows / 2;
+    // Ping-pong: all 128 features of the consumer's own staging; split: this consumer's 32 of each pass's 64;
+    // token-major: all of them for its 64 tokens.
+    const int column = ping_pong(N, true) || token_major(N, true) ? 0 : consumer * kConsumerRows / 2;
     for (int pass = 0; pass < kFp8Gemm0Passes; ++pass)
       st = mma_fp8_tile_to_staging<true, N>(p, g, st, k_steps, staging, column + pass * kInterMultiple, sk, pass);
     if constexpr (fp8_gemm0_splittable(N)) {

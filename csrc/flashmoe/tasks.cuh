@@ -242,6 +242,7 @@ __device__ __forceinline__ int64_t store_outputs(const Params& p, const PeerTabl
   int64_t* row_dst = g.row_dst(consumer);
   int* row_rank = g.row_rank(consumer);
   const int features = staged.features;
+  const int rows = staged.valid_tokens(task.rows);  // this consumer's token rows (a token-major one: up to 64)
   // Put path: this consumer's part of the ring slot (rows x features <= its size).
   const int ring_slot = put_tiles % kPutRingTiles;
   bf16* put_stage = sym_ptr<bf16>(p, p.sym_off.combine_stage) +
@@ -253,8 +254,8 @@ __device__ __forceinline__ int64_t store_outputs(const Params& p, const PeerTabl
     consumer_sync(consumer);
   }
   int64_t remote_bytes = 0;
-  if (tid < task.rows) {  // where each row goes: (source rank, element offset in its combine buffer)
-    const int entry = ldcg(expert_list(p, task.expert) + task.first_row + tid);
+  if (tid < rows) {  // where each row goes: (source rank, element offset in its combine buffer)
+    const int entry = ldcg(expert_list(p, task.expert) + task.first_row + staged.first_token + tid);
     const int64_t row = entry >> 4;  // source * max_tokens + slot
     const int j = entry & 15;
     const int token = ldcg(meta + row * meta_stride(k));
@@ -264,7 +265,7 @@ __device__ __forceinline__ int64_t store_outputs(const Params& p, const PeerTabl
   }
   consumer_sync(consumer);
   const int chunks = features / 8;  // 16-byte chunks per row
-  for (int c = tid; c < task.rows * chunks; c += 128) {
+  for (int c = tid; c < rows * chunks; c += 128) {
     const int r = c / chunks, q = c - r * chunks;
     const int dst = row_rank[r];
     const uint4 value = *reinterpret_cast<const uint4*>(staged.rows + r * staged.stride + q * 8);
@@ -279,7 +280,7 @@ __device__ __forceinline__ int64_t store_outputs(const Params& p, const PeerTabl
   if (any_proxied) {
     // Proxied rows: one put per row segment from the staging slot.
     consumer_sync(consumer);
-    if (tid < task.rows && !use_p2p(peers, row_rank[tid]))
+    if (tid < rows && !use_p2p(peers, row_rank[tid]))
       nvshmem_putmem_nbi(sym_ptr<bf16>(p, p.sym_off.combine_rows) + row_dst[tid], put_stage + tid * features,
                          features * 2, row_rank[tid]);
     ++put_tiles;
