@@ -246,9 +246,11 @@ std::string build_info() {
   return std::string("flashmoe megakernel: wgmma swap-AB, ") + std::to_string(kTileWeightRows) +
          " weight rows x 32/64/128 tokens x " + std::to_string(kTileK) + " k bf16 (" +
          std::to_string(stages_for(32, false)) + "/" + std::to_string(stages_for(64, false)) + "/" +
-         std::to_string(stages_for(128, false)) + " TMA stages) or x 32/64/128 tokens x " + std::to_string(kTileKFp8) +
-         " k block-fp8 (" + std::to_string(stages_for(32, true)) + "/" + std::to_string(stages_for(64, true)) + "/" +
-         std::to_string(stages_for(128, true)) + " stages), dynamic task queue, stress_delay_ns=" + std::to_string(FLASHMOE_STRESS_DELAY_NS) +
+         std::to_string(stages_for(128, false)) + " TMA stages) or x 32/64/128 tokens x " +
+         std::to_string(kTileKFp8) + " k block-fp8 (" + std::to_string(stages_for(32, true)) + "/" +
+         std::to_string(stages_for(64, true)) + "/" + std::to_string(stages_for(128, true)) +
+         " stages; 128 tokens token-major), dynamic task queue, stress_delay_ns=" +
+         std::to_string(FLASHMOE_STRESS_DELAY_NS) +
          (FLASHMOE_TRACE ? ", trace" : "") + ", NVSHMEM " +
          std::to_string(NVSHMEM_VENDOR_MAJOR_VERSION) + "." + std::to_string(NVSHMEM_VENDOR_MINOR_VERSION) + "." +
          std::to_string(NVSHMEM_VENDOR_PATCH_VERSION);

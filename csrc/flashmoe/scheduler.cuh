@@ -141,7 +141,8 @@ __device__ __forceinline__ TaskCounts task_counts(const Params& p, const ExpertT
   // fp8: a 128-token tile's sums do not fit a split slot, so a call with one is not split (prefill-sized
   // experts: such calls rarely leave blocks idle anyway).
   const bool splittable = !kFp8 || fp8_gemm0_splittable(tile_tokens_for(t.max_count));
-  c.gemm0_splits = gemm0_splits(tiles0, static_cast<int>(gridDim.x), c.k_steps[0], splittable ? p.gemm0_max_splits : 1);
+  const int max_splits = splittable ? p.gemm0_max_splits : 1;
+  c.gemm0_splits = gemm0_splits(tiles0, static_cast<int>(gridDim.x), c.k_steps[0], max_splits);
   c.gemm0 = tiles0 * c.gemm0_splits;
   c.total = c.gemm0 + t.tile_offset[p.num_local] * c.feature_tiles[1];
   return c;
