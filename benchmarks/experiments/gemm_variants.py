@@ -136,7 +136,7 @@ def run_label(name):
 _WAIT_STAGE_FULL = "void wait_stage_full(const Params& p, const GemmSmem& g, PipeState& st, int ks) {\n"
 _UNGUARD = (
     "csrc/flashmoe/gemm.cuh",
-    _WAIT_STAGE_FULL + "  pipe_wait(p, g, g.empty(st.stage), st.phase() ^ 1u);\n",
+    _WAIT_STAGE_FULL + "  if constexpr (kPingPong) pipe_wait(p, g, g.empty(st.stage), st.phase() ^ 1u);\n",
     _WAIT_STAGE_FULL,
 )
 
@@ -347,16 +347,16 @@ VARIANTS = {
         ),
         (
             "csrc/flashmoe/gemm.cuh",
-            "    for (int i = 0; i < N / 2; ++i) acc[h][i] = 0.f;\n  int ks = 0;\n  do {\n    wait_stage_full(p, g, st, ks);",
+            "    for (int i = 0; i < N / 2; ++i) acc[h][i] = 0.f;\n  int ks = 0;\n  do {\n    wait_stage_full<kHalves == 2>(p, g, st, ks);",
             "    for (int i = 0; i < N / 2; ++i) acc[h][i] = 0.f;\n  constexpr bool interleave = kHalves == 2;\n"
             "  int ks = 0;\n  if (interleave && consumer == 1) {\n    st.advance();\n    ks = 1;\n  }\n"
-            "  do {\n    wait_stage_full(p, g, st, ks);",
+            "  do {\n    wait_stage_full<kHalves == 2>(p, g, st, ks);",
         ),
         (
             "csrc/flashmoe/gemm.cuh",
-            "    st.advance();\n  } while (++ks < k_steps);\n}\n\n// Named barrier",
+            "    st.advance();\n  } while (++ks < k_steps);\n}\n\n// Tokens of a token-major",
             "    st.advance();\n    if (interleave && ks + 1 < k_steps) {\n      st.advance();\n      ++ks;\n    }\n"
-            "  } while (++ks < k_steps);\n}\n\n// Named barrier",
+            "  } while (++ks < k_steps);\n}\n\n// Tokens of a token-major",
         ),
     ],
     # Trace probes (read with --trace; timing unchanged but for two clock reads per stage): the producer's

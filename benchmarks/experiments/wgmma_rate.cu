@@ -9,6 +9,8 @@
 // the limit"), ~0.4-0.5 us per 16 KiB stage, where tma_stream pulls ~70-100 GB/s per SM; with the weight warp
 // split from the row warps (diffs/refuted/2026-11-23-producer-roles.diff) the producer waits for free slots and the
 // consumer does not wait for data, so the consumer's per-stage cost is what this measures.
+// Since the twentieth session it also times the token-major 128-token fp8 stage (prefill), its two warpgroups at
+// once as in the kernel or ordered (refuted/2026-11-23-ordered-token-major.diff); prefill_stage.cu adds the loads.
 //   nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 -Icsrc benchmarks/experiments/wgmma_rate.cu -o /tmp/wgmma_rate
 //   /tmp/wgmma_rate
 #include <cuda_runtime.h>
@@ -163,12 +165,134 @@ void run(const char* name, int blocks, float* sink) {
   std::printf("%-44s %6d %10.1f %10.1f\n", name, blocks, ns_per_stage, kWeightBytes / ns_per_stage);
 }
 
+// Token-major 128-token fp8 stages (consume_tile_fp8_token_major): a stage is 128 weight rows and 128 token rows
+// of 128 B; warpgroup w's A operand is token rows 64w..64w+63, B the weight rows (4 wgmma m64n128k32), then the
+// 4-product promotion. kOrder: 0 both warpgroups issue at once (the kernel), 1 warpgroup 1 issues a stage's
+// wgmmas only after warpgroup 0 has (named barriers 5 and 6), so the tensor core runs one warpgroup's stage
+// while the other promotes.
+constexpr int kTmStageBytes = 2 * 128 * 128;
+constexpr int kTmRing = 4;
+constexpr int kTmSmemBytes = kTmRing * kTmStageBytes + 1024;
+
+template <int kOrder, int kSync>
+__global__ void __launch_bounds__(256) token_major_loop(int steps, float* sink) {
+  extern __shared__ unsigned char smem_raw[];
+  char* base = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  __shared__ uint64_t full, empty;
+  __shared__ float scales[kTmRing][136];
+  for (int i = threadIdx.x; i < kTmRing * kTmStageBytes / 4; i += blockDim.x)
+    reinterpret_cast<uint32_t*>(base)[i] = 0x30303030u;
+  for (int i = threadIdx.x; i < kTmRing * 136; i += blockDim.x) (&scales[0][0])[i] = 1.0f + 1e-3f * i;
+  fence_proxy_async();
+  if (threadIdx.x == 0) {
+    mbar_init(&full, 1);
+    mbar_init(&empty, (1 << 20) - 1);
+    mbar_init_fence();
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) mbar_arrive(&full);
+  __syncthreads();
+  const int wg = threadIdx.x / 128, lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
+  const int row = 64 * wg + 16 * warp + (lane >> 2);
+  float acc[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+  const auto issue = [&](int ks, float (&partial)[64]) {
+    const int s = ks % kTmRing;
+    if constexpr ((kSync & kWaitArrive) != 0) {
+      while (!mbar_try_wait(&full, 0)) {
+      }
+    }
+    if constexpr ((kSync & kProxyFence) != 0) fence_proxy_async();
+    const uint32_t stage = smem_addr(base + s * kTmStageBytes);
+    const uint64_t a = sw128_desc(stage + 128 * 128 + wg * 64 * 128);
+    const uint64_t b = sw128_desc(stage);
+    if constexpr (kOrder == 1) {
+      if (wg == 1) asm volatile("bar.sync 5, 256;\n" ::: "memory");
+      else if (ks > 0) asm volatile("bar.sync 6, 256;\n" ::: "memory");
+    }
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) WgmmaFp8<128>::mma(partial, a + 2 * kk, b + 2 * kk, kk > 0);
+    wgmma_commit();
+    if constexpr (kOrder == 1) {
+      if (wg == 0) asm volatile("bar.arrive 5, 256;\n" ::: "memory");
+      else if (ks + 1 < steps) asm volatile("bar.arrive 6, 256;\n" ::: "memory");
+    }
+  };
+  const auto promote = [&](int ks, float (&partial)[64]) {
+    const int s = ks % kTmRing;
+    fence_accumulators(partial);
+    if constexpr ((kSync & kWaitArrive) != 0) {
+      __syncwarp();
+      if (lane == 0) mbar_arrive(&empty);
+    }
+    const float w_lo = scales[s][128], w_hi = scales[s][129];
+    const float t_lo = scales[s][row], t_hi = scales[s][row + 8];
+    const float lo_lo = t_lo * w_lo, lo_hi = t_lo * w_hi, hi_lo = t_hi * w_lo, hi_hi = t_hi * w_hi;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      const float first = j % 2 == 0 ? lo_lo : lo_hi, second = j % 2 == 0 ? hi_lo : hi_hi;
+      acc[4 * j] = fmaf(first, partial[4 * j], acc[4 * j]);
+      acc[4 * j + 1] = fmaf(first, partial[4 * j + 1], acc[4 * j + 1]);
+      acc[4 * j + 2] = fmaf(second, partial[4 * j + 2], acc[4 * j + 2]);
+      acc[4 * j + 3] = fmaf(second, partial[4 * j + 3], acc[4 * j + 3]);
+    }
+  };
+  for (int ks = 0; ks < steps; ++ks) {
+    float partial[64];
+    issue(ks, partial);
+    wgmma_wait<0>();
+    promote(ks, partial);
+  }
+  float total = 0.f;
+#pragma unroll
+  for (int i = 0; i < 64; ++i) total += acc[i];
+  if (total == 12345.f) sink[threadIdx.x] = total;
+}
+
+template <int kOrder, int kSync>
+void run_token_major(const char* name, int blocks, float* sink) {
+  auto kernel = token_major_loop<kOrder, kSync>;
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kTmSmemBytes);
+  const int steps = 8192;
+  cudaEvent_t a, b;
+  cudaEventCreate(&a);
+  cudaEventCreate(&b);
+  kernel<<<blocks, 256, kTmSmemBytes>>>(steps, sink);
+  float best = 1e30f;
+  for (int rep = 0; rep < 5; ++rep) {
+    cudaEventRecord(a);
+    kernel<<<blocks, 256, kTmSmemBytes>>>(steps, sink);
+    cudaEventRecord(b);
+    cudaEventSynchronize(b);
+    float ms = 0.f;
+    cudaEventElapsedTime(&ms, a, b);
+    best = ms < best ? ms : best;
+  }
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) {
+    std::printf("%-44s error %s\n", name, cudaGetErrorString(err));
+    return;
+  }
+  const double ns_per_stage = best * 1e6 / steps;
+  // 128 tokens x 128 weight rows x 128 K per stage
+  std::printf("%-44s %6d %10.1f %10.1f  %7.1f TFLOP/s\n", name, blocks, ns_per_stage, kWeightBytes / ns_per_stage,
+              2.0 * 128 * 128 * 128 * blocks / ns_per_stage * 1e-3);
+}
+
 int main() {
   int sms = 0;
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
   float* sink = nullptr;
   cudaMalloc(&sink, 1024 * sizeof(float));
   std::printf("%-44s %6s %10s %10s\n", "stage (N tokens; warpgroups)", "blocks", "ns/stage", "GB/s/SM");
+  for (int blocks : {sms}) {
+    run_token_major<0, kKernelSync>("fp8 N128 token-major (the kernel)", blocks, sink);
+    run_token_major<0, 0>("fp8 N128 token-major: math only", blocks, sink);
+    run_token_major<1, kKernelSync>("fp8 N128 token-major, ordered warpgroups", blocks, sink);
+    run_token_major<1, 0>("fp8 N128 token-major, ordered: math only", blocks, sink);
+  }
   for (int blocks : {sms, 48}) {
     run<32, true, true, 0, 1, false>("fp8 N32 ping-pong: math only", blocks, sink);
     run<32, true, false, 0, 1, false>("fp8 N32 ping-pong: no promotion", blocks, sink);

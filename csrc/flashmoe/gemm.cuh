@@ -324,14 +324,20 @@ __device__ __forceinline__ void produce_tile(const Params& p, const GemmSmem& g,
 
 // Consumers: wait until the current stage has landed (trace builds time the wait), then make its cp.async
 // token rows (generic proxy) visible to wgmma (async proxy).
-// First the stage's previous use must be released (the producer's own condition for this fill): a parity wait
-// only tells the phase it names from the one before, so a consumer that skipped the other's ping-pong tile and
-// reaches the stage while that tile's fill of it is still in flight would take the pending phase's parity for
-// its own and read the stage early. bf16 tiles release a stage only after waiting for the next one (a tile's
-// last excepted), which closes that window for tiles longer than the ring; fp8 tiles release right after
-// their wgmma (consume_tile_fp8), which leaves it open (benchmarks/kernel-notes.md, evict-first section).
+// Ping-pong tiles (kPingPong) first wait until the stage's previous use was released (the producer's own
+// condition for this fill): a parity wait only tells the phase it names from the one before, so a consumer that
+// skipped the other's ping-pong tile and reaches the stage while that tile's fill of it is still in flight would
+// take the pending phase's parity for its own and read the stage early. bf16 tiles release a stage only after
+// waiting for the next one (a tile's last excepted), which closes that window for tiles longer than the ring;
+// fp8 tiles release right after their wgmma (consume_tile_fp8), which leaves it open (benchmarks/kernel-notes.md,
+// evict-first section). Split and token-major tiles need no such wait: both consumers take every stage of a run
+// of them, so this consumer released the stage's previous use itself and the producer refills it only after
+// that; and a run starts behind PipeState::enter's block barrier, which each consumer reaches only after its
+// last tile, so no fill of the old width is in flight by then (the tiles it skipped were the other's, finished
+// before the other reached the barrier).
+template <bool kPingPong>
 __device__ __forceinline__ void wait_stage_full(const Params& p, const GemmSmem& g, PipeState& st, int ks) {
-  pipe_wait(p, g, g.empty(st.stage), st.phase() ^ 1u);
+  if constexpr (kPingPong) pipe_wait(p, g, g.empty(st.stage), st.phase() ^ 1u);
 #if FLASHMOE_TRACE
   const uint64_t wait_start = clock64();
   pipe_wait(p, g, g.full(st.stage), st.phase());
@@ -358,7 +364,7 @@ __device__ __forceinline__ void consume_tile(const Params& p, const GemmSmem& g,
   int previous = -1;
   int ks = 0;
   do {  // k_steps >= 1 (K is a multiple of kTileK); a do-loop keeps ptxas's wgmma pipeline analysis simple
-    wait_stage_full(p, g, st, ks);
+    wait_stage_full<kHalves == 2>(p, g, st, ks);
     const uint32_t stage = smem_addr(g.stage(st.stage, N));
     const uint64_t b = sw128_desc(stage + kStageWeightBytes);
     wgmma_fence();
@@ -399,7 +405,7 @@ __device__ __forceinline__ void consume_tile_fp8(const Params& p, const GemmSmem
     for (int i = 0; i < N / 2; ++i) acc[h][i] = 0.f;
   int ks = 0;
   do {
-    wait_stage_full(p, g, st, ks);
+    wait_stage_full<kHalves == 2>(p, g, st, ks);
     const uint32_t stage = smem_addr(g.stage(st.stage, N));
     const uint64_t b = sw128_desc(stage + kStageWeightBytes);
     const float* scales = g.scales(st.stage);
@@ -465,7 +471,7 @@ __device__ __forceinline__ void consume_tile_fp8_token_major(const Params& p, co
   for (int i = 0; i < kTileWeightRows / 2; ++i) acc[i] = 0.f;
   int ks = 0;
   do {
-    wait_stage_full(p, g, st, ks);
+    wait_stage_full<false>(p, g, st, ks);
     const uint32_t stage = smem_addr(g.stage(st.stage, N));
     const uint64_t a = sw128_desc(stage + kStageWeightBytes + consumer * kConsumerRows * 128);  // the tokens
     const uint64_t b = sw128_desc(stage);                                                        // the weights

@@ -92,6 +92,8 @@ __device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src, bool v
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 4 : 0)
                : "memory");
 }
+// Every cp.async this thread issued has landed (its own writes only: others need a barrier after).
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
 // ---- wgmma
 // Descriptor of a K-major tile in the 128-byte swizzle: rows of 64 bf16 (128 B), 8-row groups 1024 B apart.

@@ -1,0 +1,239 @@
+// Microbenchmark: where a token-major 128-token fp8 prefill stage (gemm.cuh, consume_tile_fp8_token_major) goes
+// when its loads are real. In the kernel such a stage takes ~0.84 us (Qwen3-30B, T = 2048, kernel-notes.md); its
+// consumers alone, data already in shared memory, take ~0.41 (wgmma_rate.cu). This runs the kernel's stage
+// shape on every SM -- a producer warpgroup fills a 4-stage ring of 16 KiB of weight rows (TMA) and 16 KiB of
+// token rows, two consumer warpgroups each compute 64 tokens x 128 weight rows x 128 K with the fp8 promotion
+// -- and takes the parts away one at a time:
+//   weights: "hbm" streams distinct 128-row tiles of a 256 MiB e4m3 tensor (read once, as the kernel's
+//            evict-first weights mostly are); "l2" re-reads 4 MiB of it (every tile hits L2).
+//   tokens:  "gather" is the kernel's GEMM0 producer: 128 threads, 8 cp.async of 16 B each per stage, rows
+//            picked at random from 8 MiB of received rows, then a cp.async arrive; "tma" is one 2-D box of 128
+//            contiguous rows (what GEMM1's activations would allow, contiguous per expert); "none" loads none.
+//   math:    "mma" the consumers' wgmmas and promotion, "none" only wait and release.
+//   nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 -Icsrc benchmarks/experiments/prefill_stage.cu \
+//       -o /tmp/prefill_stage && /tmp/prefill_stage
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <cstdio>
+#include <cstring>
+
+#include "flashmoe/hopper.cuh"
+
+using namespace flashmoe;
+
+constexpr int kK = 2048;                       // bytes (= e4m3 elements) per row: Qwen3-30B's hidden size
+constexpr int kKSteps = kK / 128;              // 128 B of K per stage
+constexpr int kStageBytes = 2 * 128 * 128;     // weights, then token rows
+constexpr int kRing = 4;                       // the kernel's fp8 128-token ring
+constexpr int kSmemBytes = kRing * kStageBytes + 1024;
+constexpr int kTokenRows = 4096;               // 8 MiB of token rows
+constexpr int64_t kHbmRows = 128 * 1024;       // 256 MiB of weight rows
+constexpr int kL2Rows = 2048;                  // 4 MiB of weight rows
+enum Weights { kWeightsHbm, kWeightsL2 };
+enum Tokens { kTokensGather, kTokensTma, kTokensNone };
+
+struct Config {
+  int weights, tokens, math;
+  int tiles_per_block;
+};
+
+__device__ __forceinline__ void tma_2d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];\n"
+      ::"r"(smem_addr(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(bar)), "r"(c0), "r"(c1)
+      : "memory");
+}
+
+__device__ __forceinline__ uint32_t hash(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7feb352dU;
+  x ^= x >> 15;
+  x *= 0x846ca68bU;
+  return x ^ (x >> 16);
+}
+
+__global__ void __launch_bounds__(384, 1) prefill_stage(const __grid_constant__ CUtensorMap weights_map,
+                                                        const __grid_constant__ CUtensorMap tokens_map,
+                                                        const uint8_t* tokens, Config c, float* sink) {
+  extern __shared__ unsigned char smem_raw[];
+  char* base = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  __shared__ uint64_t full[kRing], empty[kRing];
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kRing; ++s) {
+      mbar_init(&full[s], 1 + (c.tokens == kTokensGather ? 128 : 0));
+      mbar_init(&empty[s], 8);  // every consumer warp
+    }
+    mbar_init_fence();
+  }
+  if (c.tokens == kTokensNone) {  // finite token rows, once
+    for (int i = threadIdx.x; i < kRing * kStageBytes / 4; i += blockDim.x)
+      reinterpret_cast<uint32_t*>(base)[i] = 0x30303030u;
+    fence_proxy_async();
+  }
+  __syncthreads();
+  const int wg = threadIdx.x / 128;
+  const int weight_rows = c.weights == kWeightsHbm ? static_cast<int>(kHbmRows) : kL2Rows;
+  const int weight_tiles = weight_rows / 128;
+  if (wg == 0) {  // producer
+    const int tid = threadIdx.x, chunk = tid & 7;
+    int s = 0;
+    uint32_t phase = 0;
+    for (int i = 0; i < c.tiles_per_block; ++i) {
+      const int tile = blockIdx.x + i * gridDim.x;
+      const int weight_tile = tile % weight_tiles;
+      const uint8_t* row[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int r = (tid >> 3) + 16 * j;
+        row[j] = tokens + static_cast<int64_t>(hash(tile * 128 + r) % kTokenRows) * kK;
+      }
+      for (int ks = 0; ks < kKSteps; ++ks) {
+        while (!mbar_try_wait(&empty[s], phase ^ 1u)) {
+        }
+        char* stage = base + s * kStageBytes;
+        if (tid == 0) {
+          mbar_arrive_expect_tx(&full[s], 128 * 128 * (c.tokens == kTokensTma ? 2 : 1));
+          tma_2d(stage, &weights_map, &full[s], ks * 128, weight_tile * 128);
+          if (c.tokens == kTokensTma)
+            tma_2d(stage + 128 * 128, &tokens_map, &full[s], ks * 128, (tile * 128) % kTokenRows);
+        }
+        __syncwarp();
+        if (c.tokens == kTokensGather) {
+          const uint32_t dst0 = smem_addr(stage + 128 * 128);
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            const int r = (tid >> 3) + 16 * j;
+            cp_async_16(dst0 + r * 128 + ((chunk ^ (r & 7)) << 4), row[j] + ks * 128 + chunk * 16, true);
+          }
+          mbar_arrive_on_cp_async(&full[s]);
+        }
+        if (++s == kRing) {
+          s = 0;
+          phase ^= 1u;
+        }
+      }
+    }
+  } else {  // consumers
+    const int consumer = wg - 1, lane = threadIdx.x & 31;
+    float acc[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+    const float lo = 1.001f, hi = 0.999f;  // the promotion's scale products (their loads are not the question)
+    int s = 0;
+    uint32_t phase = 0;
+    for (int i = 0; i < c.tiles_per_block; ++i)
+      for (int ks = 0; ks < kKSteps; ++ks) {
+        while (!mbar_try_wait(&full[s], phase)) {
+        }
+        if (c.tokens == kTokensGather) fence_proxy_async();  // cp.async rows (generic proxy) before wgmma reads them
+        if (c.math) {
+          const uint32_t stage = smem_addr(base + s * kStageBytes);
+          const uint64_t a = sw128_desc(stage + 128 * 128 + consumer * 64 * 128);
+          const uint64_t b = sw128_desc(stage);
+          float partial[64];
+          wgmma_fence();
+#pragma unroll
+          for (int kk = 0; kk < 4; ++kk) WgmmaFp8<128>::mma(partial, a + 2 * kk, b + 2 * kk, kk > 0);
+          wgmma_commit();
+          wgmma_wait<0>();
+          fence_accumulators(partial);
+          __syncwarp();
+          if (lane == 0) mbar_arrive(&empty[s]);
+#pragma unroll
+          for (int j = 0; j < 16; ++j) {
+            acc[4 * j] = fmaf(lo, partial[4 * j], acc[4 * j]);
+            acc[4 * j + 1] = fmaf(lo, partial[4 * j + 1], acc[4 * j + 1]);
+            acc[4 * j + 2] = fmaf(hi, partial[4 * j + 2], acc[4 * j + 2]);
+            acc[4 * j + 3] = fmaf(hi, partial[4 * j + 3], acc[4 * j + 3]);
+          }
+        } else {
+          __syncwarp();
+          if (lane == 0) mbar_arrive(&empty[s]);
+        }
+        if (++s == kRing) {
+          s = 0;
+          phase ^= 1u;
+        }
+      }
+    float total = 0.f;
+#pragma unroll
+    for (int i = 0; i < 64; ++i) total += acc[i];
+    if (total == 12345.f) sink[threadIdx.x] = total;
+  }
+}
+
+typedef CUresult (*EncodeFn)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*, const cuuint64_t*,
+                             const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
+                             CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+static bool encode(EncodeFn enc, CUtensorMap* map, void* data, int64_t rows) {
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(kK), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(kK)};
+  const cuuint32_t box[2] = {128, 128}, unit[2] = {1, 1};
+  return enc(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, data, dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
+             CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) ==
+         CUDA_SUCCESS;
+}
+
+int main() {
+  int sms = 0;
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+  void* f = nullptr;
+  cudaDriverEntryPointQueryResult q;
+  cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q);
+  const EncodeFn enc = reinterpret_cast<EncodeFn>(f);
+  uint8_t *weights = nullptr, *tokens = nullptr;
+  float* sink = nullptr;
+  cudaMalloc(&weights, kHbmRows * kK);
+  cudaMalloc(&tokens, static_cast<size_t>(kTokenRows) * kK);
+  cudaMalloc(&sink, 1024 * sizeof(float));
+  cudaMemset(weights, 0x30, kHbmRows * kK);  // e4m3 0.125: finite sums
+  cudaMemset(tokens, 0x30, static_cast<size_t>(kTokenRows) * kK);
+  CUtensorMap weights_hbm, weights_l2, tokens_map;
+  if (!encode(enc, &weights_hbm, weights, kHbmRows) || !encode(enc, &weights_l2, weights, kL2Rows) ||
+      !encode(enc, &tokens_map, tokens, kTokenRows)) {
+    std::printf("tensor map encode failed\n");
+    return 1;
+  }
+  auto kernel = prefill_stage;
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  const char* weight_names[] = {"hbm", "l2"};
+  const char* token_names[] = {"gather", "tma", "none"};
+  std::printf("%-8s %-7s %-5s %9s %11s %11s\n", "weights", "tokens", "math", "us/stage", "GB/s/SM", "TFLOP/s");
+  const int cases[][3] = {
+      {kWeightsHbm, kTokensGather, 1}, {kWeightsL2, kTokensGather, 1}, {kWeightsHbm, kTokensTma, 1},
+      {kWeightsL2, kTokensTma, 1},     {kWeightsHbm, kTokensNone, 1},  {kWeightsL2, kTokensNone, 1},
+      {kWeightsHbm, kTokensGather, 0}, {kWeightsL2, kTokensGather, 0}, {kWeightsHbm, kTokensTma, 0},
+      {kWeightsL2, kTokensTma, 0},     {kWeightsHbm, kTokensNone, 0},  {kWeightsL2, kTokensNone, 0},
+  };
+  for (const auto& k : cases) {
+    const Config c{k[0], k[1], k[2], static_cast<int>(kHbmRows / 128 / sms)};  // every HBM tile once per launch
+    const CUtensorMap& wmap = c.weights == kWeightsHbm ? weights_hbm : weights_l2;
+    kernel<<<sms, 384, kSmemBytes>>>(wmap, tokens_map, tokens, c, sink);  // warm-up
+    cudaEvent_t a, b;
+    cudaEventCreate(&a);
+    cudaEventCreate(&b);
+    float best = 1e30f;
+    for (int rep = 0; rep < 5; ++rep) {
+      cudaEventRecord(a);
+      kernel<<<sms, 384, kSmemBytes>>>(wmap, tokens_map, tokens, c, sink);
+      cudaEventRecord(b);
+      cudaEventSynchronize(b);
+      float ms = 0.f;
+      cudaEventElapsedTime(&ms, a, b);
+      best = ms < best ? ms : best;
+    }
+    const cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) {
+      std::printf("error %s\n", cudaGetErrorString(err));
+      return 1;
+    }
+    const double stages = static_cast<double>(c.tiles_per_block) * kKSteps;
+    const double us = best * 1e3 / stages;
+    const double bytes = 128 * 128 * (c.tokens == kTokensNone ? 1 : 2);
+    std::printf("%-8s %-7s %-5s %9.3f %11.1f %11.1f\n", weight_names[c.weights], token_names[c.tokens],
+                c.math ? "mma" : "none", us, bytes / us * 1e-3, 2.0 * 128 * 128 * 128 * sms / us * 1e-6);
+  }
+  return 0;
+}
