@@ -137,19 +137,19 @@ __global__ void __launch_bounds__(256) stage_loop(int steps, float* sink) {
   if (total == 12345.f) sink[threadIdx.x] = total;  // keeps the math; never true for these inputs in practice
 }
 
-template <int N, bool kFp8, bool kPromote, int kSync, int kWarpgroups, bool kSplit>
-void run(const char* name, int blocks, float* sink) {
-  auto kernel = stage_loop<N, kFp8, kPromote, kSync, kWarpgroups, kSplit>;
-  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+// Best of 5 launches of kernel(steps, sink) after a warm-up, in ns per step; negative (and printed) on an error.
+template <typename Kernel>
+double ns_per_step(const char* name, Kernel kernel, int blocks, int threads, int smem, float* sink) {
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   const int steps = 8192;
   cudaEvent_t a, b;
   cudaEventCreate(&a);
   cudaEventCreate(&b);
-  kernel<<<blocks, 128 * kWarpgroups, kSmemBytes>>>(steps, sink);  // warm-up
+  kernel<<<blocks, threads, smem>>>(steps, sink);  // warm-up
   float best = 1e30f;
   for (int rep = 0; rep < 5; ++rep) {
     cudaEventRecord(a);
-    kernel<<<blocks, 128 * kWarpgroups, kSmemBytes>>>(steps, sink);
+    kernel<<<blocks, threads, smem>>>(steps, sink);
     cudaEventRecord(b);
     cudaEventSynchronize(b);
     float ms = 0.f;
@@ -159,10 +159,16 @@ void run(const char* name, int blocks, float* sink) {
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) {
     std::printf("%-44s error %s\n", name, cudaGetErrorString(err));
-    return;
+    return -1.0;
   }
-  const double ns_per_stage = best * 1e6 / steps;
-  std::printf("%-44s %6d %10.1f %10.1f\n", name, blocks, ns_per_stage, kWeightBytes / ns_per_stage);
+  return best * 1e6 / steps;
+}
+
+template <int N, bool kFp8, bool kPromote, int kSync, int kWarpgroups, bool kSplit>
+void run(const char* name, int blocks, float* sink) {
+  const double ns = ns_per_step(name, stage_loop<N, kFp8, kPromote, kSync, kWarpgroups, kSplit>, blocks,
+                                128 * kWarpgroups, kSmemBytes, sink);
+  if (ns > 0) std::printf("%-44s %6d %10.1f %10.1f\n", name, blocks, ns, kWeightBytes / ns);
 }
 
 // Token-major 128-token fp8 stages (consume_tile_fp8_token_major): a stage is 128 weight rows and 128 token rows
@@ -253,32 +259,11 @@ __global__ void __launch_bounds__(256) token_major_loop(int steps, float* sink) 
 
 template <int kOrder, int kSync>
 void run_token_major(const char* name, int blocks, float* sink) {
-  auto kernel = token_major_loop<kOrder, kSync>;
-  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kTmSmemBytes);
-  const int steps = 8192;
-  cudaEvent_t a, b;
-  cudaEventCreate(&a);
-  cudaEventCreate(&b);
-  kernel<<<blocks, 256, kTmSmemBytes>>>(steps, sink);
-  float best = 1e30f;
-  for (int rep = 0; rep < 5; ++rep) {
-    cudaEventRecord(a);
-    kernel<<<blocks, 256, kTmSmemBytes>>>(steps, sink);
-    cudaEventRecord(b);
-    cudaEventSynchronize(b);
-    float ms = 0.f;
-    cudaEventElapsedTime(&ms, a, b);
-    best = ms < best ? ms : best;
-  }
-  const cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) {
-    std::printf("%-44s error %s\n", name, cudaGetErrorString(err));
-    return;
-  }
-  const double ns_per_stage = best * 1e6 / steps;
+  const double ns = ns_per_step(name, token_major_loop<kOrder, kSync>, blocks, 256, kTmSmemBytes, sink);
   // 128 tokens x 128 weight rows x 128 K per stage
-  std::printf("%-44s %6d %10.1f %10.1f  %7.1f TFLOP/s\n", name, blocks, ns_per_stage, kWeightBytes / ns_per_stage,
-              2.0 * 128 * 128 * 128 * blocks / ns_per_stage * 1e-3);
+  if (ns > 0)
+    std::printf("%-44s %6d %10.1f %10.1f  %7.1f TFLOP/s\n", name, blocks, ns, kWeightBytes / ns,
+                2.0 * 128 * 128 * 128 * blocks / ns * 1e-3);
 }
 
 int main() {
