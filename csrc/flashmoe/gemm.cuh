@@ -666,19 +666,28 @@ __device__ __forceinline__ bool reduce_split(float (&acc)[kHalves][kValues], con
   return true;
 }
 
+// Token rows [first, first + count) of a tile that one consumer's staging holds.
+struct TokenRange {
+  int first = 0, count = kMaxTileTokens;
+  // How many of a tile's `tile_rows` valid rows fall in the range.
+  __device__ int valid(int tile_rows) const {
+    const int left = tile_rows - first;
+    return left <= 0 ? 0 : left < count ? left : count;
+  }
+};
+// A token-major consumer stages its 64 tokens; every other consumer the whole tile (tasks.cuh reads it before
+// the mainloop too, to prefetch the rows' list entries).
+__device__ __forceinline__ TokenRange staged_tokens(int n, bool fp8, int consumer) {
+  return token_major(n, fp8) ? TokenRange{consumer * kConsumerRows, kConsumerRows} : TokenRange{};
+}
+
 // What a consumer's epilogue finds in its staging area after mma_tile_to_staging: `features` bf16 columns per
 // token row, `stride` elements apart, starting at tile feature `first_feature` (GEMM0: SwiGLU'd intermediate
-// features of the tile's 64; GEMM1: output features of the tile's 128), for the tile's token rows from
-// `first_token` on, at most `tokens` of them (a token-major consumer's 64; otherwise the whole tile).
+// features of the tile's 64; GEMM1: output features of the tile's 128), for the tile's token rows in `tokens`.
 struct Staged {
   const bf16* rows;  // null: a split GEMM0 tile whose epilogue another split runs
   int stride, features, first_feature;
-  int first_token = 0, tokens = kMaxTileTokens;
-  // Token rows of a tile with `tile_rows` valid rows that this staging holds.
-  __device__ int valid_tokens(int tile_rows) const {
-    const int left = tile_rows - first_token;
-    return left <= 0 ? 0 : left < tokens ? left : tokens;
-  }
+  TokenRange tokens{};
 };
 
 struct TileDone {
@@ -763,7 +772,7 @@ __device__ __forceinline__ Staged mma_tile_to_staging(const Params& p, const Gem
       if (!done.staged) return;  // out.rows stays null
     }
     if constexpr (token_major(N, kFp8)) {  // fp8 GEMM1 only: this consumer's 64 tokens, all 128 features
-      out = Staged{staging, kTokenMajorStride, kTileWeightRows, 0, consumer * kConsumerRows, kConsumerRows};
+      out = Staged{staging, kTokenMajorStride, kTileWeightRows, 0, staged_tokens(N, kFp8, consumer)};
       return;
     }
     const int rows = consumer_rows(N, kFp8);  // weight rows this consumer computed

@@ -248,26 +248,13 @@ __device__ __forceinline__ void store_activations_fp8(const Params& p, const Gem
   trace(kTraceConsumerCounted);
 }
 
-// Token rows [first, first + count) of a tile whose outputs a consumer's GEMM1 epilogue sends (what its Staged
-// will say: a token-major consumer its 64, otherwise the whole tile).
-struct StagedTokens {
-  int first, count;
-};
-template <bool kFp8>
-__device__ __forceinline__ StagedTokens staged_tokens(const Task& task, int consumer) {
-  const int first = token_major(task.tile_tokens, kFp8) ? consumer * kConsumerRows : 0;
-  const int left = task.rows - first;
-  const int most = token_major(task.tile_tokens, kFp8) ? kConsumerRows : kMaxTileTokens;
-  return StagedTokens{first, left <= 0 ? 0 : left < most ? left : most};
-}
-
 // Before a GEMM1 mainloop: the expert-list entries of the consumer's token rows into its row table by cp.async,
 // so they arrive while the mainloop runs and store_outputs waits for one dependent load per row (the token's
 // meta), not two. The lists were written in the receive phase, before the grid barrier's acquire.
 __device__ __forceinline__ void prefetch_row_entries(const Params& p, const GemmSmem& g, const Task& task,
-                                                     StagedTokens tokens, int consumer) {
+                                                     TokenRange tokens, int consumer) {
   const int tid = threadIdx.x & 127;
-  if (tid < tokens.count)
+  if (tid < tokens.valid(task.rows))
     cp_async_4(smem_addr(g.row_rank(consumer) + tid), expert_list(p, task.expert) + task.first_row + tokens.first + tid,
                true);
 }
@@ -286,7 +273,7 @@ __device__ __forceinline__ int64_t store_outputs(const Params& p, const PeerTabl
   int64_t* row_dst = g.row_dst(consumer);
   int* row_rank = g.row_rank(consumer);
   const int features = staged.features;
-  const int rows = staged.valid_tokens(task.rows);  // this consumer's token rows (a token-major one: up to 64)
+  const int rows = staged.tokens.valid(task.rows);  // this consumer's token rows (a token-major one: up to 64)
   // Put path: this consumer's part of the ring slot (rows x features <= its size).
   const int ring_slot = put_tiles % kPutRingTiles;
   bf16* put_stage = sym_ptr<bf16>(p, p.sym_off.combine_stage) +
@@ -401,7 +388,7 @@ __device__ int64_t consume_tasks(const Params& p, const PeerTable& peers, bool a
         }
       }
     } else {
-      prefetch_row_entries(p, g, task, staged_tokens<kFp8>(task, consumer), consumer);
+      prefetch_row_entries(p, g, task, staged_tokens(task.tile_tokens, kFp8, consumer), consumer);
       const Staged staged = mma_tile_to_staging<false, kFp8>(p, g, st, task.tile_tokens, k_steps);
       trace_mma_done(st);
       remote_bytes += store_outputs(p, peers, any_proxied, g, task, staged, consumer, put_tiles);
