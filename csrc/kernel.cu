@@ -6,17 +6,17 @@
 #include <string>
 
 #include "flashmoe/api.h"
+#include "flashmoe/kernels.h"
 #include "flashmoe/moe_layer.cuh"
 
 namespace flashmoe {
 
-// One kernel per weight format: bf16, and block-fp8 (e4m3 weights with 128x128 block scales).
-template <bool kFp8>
-__global__ void __launch_bounds__(kThreads, 1) moe_layer_kernel(const __grid_constant__ Params params) {
-  moe_layer<kFp8>(params);
-}
-
 namespace {
+
+// One kernel per weight format: bf16, and block-fp8 (e4m3 weights with 128x128 block scales); kernels.h.
+using KernelFn = void (*)(Params);
+KernelFn kernel_for(bool fp8) { return fp8 ? moe_layer_fp8 : moe_layer_bf16; }
+bool last_launch_fp8 = false;  // whose trace buffers trace_copy reads
 
 void check(cudaError_t err, const char* what) {
   if (err != cudaSuccess) throw std::runtime_error(std::string("flashmoe: ") + what + ": " + cudaGetErrorString(err));
@@ -88,6 +88,23 @@ void require(bool ok, const std::string& msg) {
   if (!ok) throw std::invalid_argument("flashmoe: " + msg);
 }
 
+// Where each rank's symmetric heap is for this GPU: NVLink stores within our node (even where NVSHMEM maps a
+// peer on another one: FLASHMOE_NODE_SIZE simulates nodes on one host), null (NVSHMEM puts) elsewhere or for
+// every peer under force_put. A build without device puts (comm.cuh) cannot serve a null entry.
+void peer_table(const RuntimeArgs& run, void* sym, char* (&peer_sym)[kMaxWorld]) {
+  for (int r = 0; r < run.world_size; ++r) {
+    const bool same_node = r / run.node_size == run.rank / run.node_size;
+    char* mapped = static_cast<char*>(nvshmem_ptr(sym, r));
+    peer_sym[r] = run.force_put || !same_node ? nullptr : mapped;
+    if (peer_sym[r] == nullptr && !kDevicePuts)
+      throw std::invalid_argument(
+          "flashmoe: rank " + std::to_string(r) + " is reached by NVSHMEM puts (" +
+          (run.force_put ? std::string("FLASHMOE_FORCE_PUT") : !same_node ? std::string("another node")
+                                                                          : std::string("not mapped by NVSHMEM")) +
+          "), which this library was built without; flashmoe loads its put build for such layers");
+  }
+}
+
 }  // namespace
 
 int64_t symmetric_bytes(const Capacity& c) { return sym_layout(c).total; }
@@ -103,19 +120,30 @@ void get_uniqueid(void* out) {
 
 int nvshmem_status() { return nvshmemx_init_status(); }
 
+// The put build links NVSHMEM's device library, whose init entry point also installs this library's copy of
+// the device state; the default build has no device state and initialises the host library alone.
+int init_nvshmem(unsigned flags, nvshmemx_init_attr_t* attr) {
+#if FLASHMOE_DEVICE_PUTS
+  return nvshmemx_init_attr(flags, attr);
+#else
+  return nvshmemx_hostlib_init_attr(flags, attr);
+#endif
+}
+
 void nvshmem_setup(const void* uniqueid, int rank, int world_size) {
   if (nvshmemx_init_status() >= NVSHMEM_STATUS_IS_INITIALIZED) {
-    // Another library (e.g. torch symmetric memory) initialised NVSHMEM: register this module's device state
-    // with the running host library (an init call on an initialised library only does that).
-    nvshmemx_init_attr(0, nullptr);
+    // Another library (e.g. torch symmetric memory, or our other build) initialised NVSHMEM. The put build
+    // registers its device state with the running host library (an init call on an initialised library only
+    // does that); the default build has none to register.
+    if (kDevicePuts) init_nvshmem(0, nullptr);
   } else {
     nvshmemx_uniqueid_t id;
     memcpy(&id, uniqueid, sizeof(id));
     nvshmemx_init_attr_t attr = NVSHMEMX_INIT_ATTR_INITIALIZER;
     if (nvshmemx_set_attr_uniqueid_args(rank, world_size, &id, &attr) != 0)
       throw std::runtime_error("flashmoe: nvshmemx_set_attr_uniqueid_args failed");
-    if (nvshmemx_init_attr(NVSHMEMX_INIT_WITH_UNIQUEID, &attr) != 0)
-      throw std::runtime_error("flashmoe: nvshmemx_init_attr failed");
+    if (init_nvshmem(NVSHMEMX_INIT_WITH_UNIQUEID, &attr) != 0)
+      throw std::runtime_error("flashmoe: NVSHMEM initialisation failed");
   }
   if (nvshmem_my_pe() != rank || nvshmem_n_pes() != world_size)
     throw std::runtime_error("flashmoe: NVSHMEM PE " + std::to_string(nvshmem_my_pe()) + "/" +
@@ -137,13 +165,13 @@ void barrier_all_on_stream(cudaStream_t stream) { nvshmemx_barrier_all_on_stream
 
 int max_resident_blocks(int device) {
   int per_sm = 0, per_sm_fp8 = 0, sms = 0;
-  check(cudaFuncSetAttribute(moe_layer_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes()),
+  check(cudaFuncSetAttribute(kernel_for(false), cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes()),
         "cudaFuncSetAttribute");
-  check(cudaFuncSetAttribute(moe_layer_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes()),
+  check(cudaFuncSetAttribute(kernel_for(true), cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes()),
         "cudaFuncSetAttribute");
-  check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, moe_layer_kernel<false>, kThreads, smem_bytes()),
+  check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel_for(false), kThreads, smem_bytes()),
         "occupancy query");
-  check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm_fp8, moe_layer_kernel<true>, kThreads, smem_bytes()),
+  check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm_fp8, kernel_for(true), kThreads, smem_bytes()),
         "occupancy query");
   if (per_sm_fp8 < per_sm) per_sm = per_sm_fp8;  // one grid size serves both formats
   check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "SM count");
@@ -183,8 +211,6 @@ void launch(const LaunchArgs& a, const Capacity& cap, cudaStream_t stream) {
   p.rank = a.run.rank;
   p.world_size = a.run.world_size;
   p.max_tokens_per_rank = static_cast<int>(cap.max_tokens_per_rank);
-  p.force_put = a.run.force_put;
-  p.node_size = static_cast<int>(a.run.node_size);
   p.layer_id = a.run.layer_id;
   p.metrics = a.run.metrics;
   p.gemm0_max_splits = static_cast<int>(a.run.gemm0_max_splits);
@@ -201,6 +227,7 @@ void launch(const LaunchArgs& a, const Capacity& cap, cudaStream_t stream) {
   p.out = static_cast<bf16*>(a.out);
   p.padding_marker = static_cast<const int64_t*>(a.padding_marker);
   p.sym = static_cast<char*>(a.sym);
+  peer_table(a.run, a.sym, p.peer_sym);
   p.sym_off = sym_layout(cap);
   p.ws = static_cast<char*>(a.workspace);
   p.ws_off = workspace_layout(cap);
@@ -211,7 +238,7 @@ void launch(const LaunchArgs& a, const Capacity& cap, cudaStream_t stream) {
   p.tmap_w13 = w13_map(a.fp8, a.w13, a.num_local, a.hidden_size, a.intermediate_size);
   p.tmap_w2 = w2_map(a.fp8, a.w2, a.num_local, a.hidden_size, a.intermediate_size);
 
-  const auto kernel = a.fp8 ? moe_layer_kernel<true> : moe_layer_kernel<false>;
+  const KernelFn kernel = kernel_for(a.fp8);
   check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes()),
         "cudaFuncSetAttribute");
   cudaLaunchConfig_t config{};
@@ -225,6 +252,7 @@ void launch(const LaunchArgs& a, const Capacity& cap, cudaStream_t stream) {
   config.attrs = attr;
   config.numAttrs = 1;
   check(cudaLaunchKernelEx(&config, kernel, p), "cooperative launch of the megakernel");
+  last_launch_fp8 = a.fp8;
 }
 
 bool trace_enabled() { return FLASHMOE_TRACE != 0; }
@@ -233,13 +261,8 @@ int trace_roles() { return kTraceRoles; }
 int trace_events_per_list() { return kTraceMaxEvents; }
 
 void trace_copy(void* counts_host, void* events_host) {
-#if FLASHMOE_TRACE
-  check(cudaMemcpyFromSymbol(counts_host, g_trace_counts, sizeof(g_trace_counts)), "trace counts");
-  check(cudaMemcpyFromSymbol(events_host, g_trace_events, sizeof(g_trace_events)), "trace events");
-#else
-  (void)counts_host, (void)events_host;
-  throw std::runtime_error("flashmoe: not a trace build (set FLASHMOE_TRACE=1 before the library loads)");
-#endif
+  if (last_launch_fp8) trace_copy_fp8(counts_host, events_host);
+  else trace_copy_bf16(counts_host, events_host);
 }
 
 std::string build_info() {
@@ -251,7 +274,7 @@ std::string build_info() {
          std::to_string(stages_for(64, true)) + "/" + std::to_string(stages_for(128, true)) +
          " stages; 128 tokens token-major), dynamic task queue, stress_delay_ns=" +
          std::to_string(FLASHMOE_STRESS_DELAY_NS) +
-         (FLASHMOE_TRACE ? ", trace" : "") + ", NVSHMEM " +
+         (FLASHMOE_TRACE ? ", trace" : "") + (kDevicePuts ? ", device puts" : ", NVLink stores only") + ", NVSHMEM " +
          std::to_string(NVSHMEM_VENDOR_MAJOR_VERSION) + "." + std::to_string(NVSHMEM_VENDOR_MINOR_VERSION) + "." +
          std::to_string(NVSHMEM_VENDOR_PATCH_VERSION);
 }

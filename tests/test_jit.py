@@ -63,14 +63,39 @@ def test_compile_only_sm90a_then_cache_hit(sm90a_objects):
     assert first.library is None
     for obj in first.objects:
         assert obj.is_file() and obj.stat().st_size > 0, obj
-    # Relocatable device code: the object carries an embedded device ELF for the device link.
-    kernel_o = next(o for o in first.objects if o.name == "kernel.o")
-    sections = subprocess.run(["readelf", "-S", "-W", str(kernel_o)], capture_output=True, text=True).stdout
-    assert "__nv_relfatbin" in sections, sections
+    # The bf16 kernel is relocatable device code (an embedded device ELF for the device link); the default build's
+    # fp8 kernel is a whole program, so that ptxas honours setmaxnreg (recipe.py _kernel_units).
+    by_name = {o.name: o for o in first.objects}
+    assert {"kernel.o", "kernel_bf16.o", "kernel_fp8.o", "dlink.o", "bindings.o"} <= set(by_name), by_name
+
+    def sections(obj: Path) -> str:
+        return subprocess.run(["readelf", "-S", "-W", str(obj)], capture_output=True, text=True).stdout
+
+    assert "__nv_relfatbin" in sections(by_name["kernel_bf16.o"])
+    fp8 = sections(by_name["kernel_fp8.o"])
+    assert "__nv_relfatbin" not in fp8 and ".nv_fatbin" in fp8, fp8
+    # No NVSHMEM device code in the default build (its device link has the bf16 kernel only).
+    assert b"nvshmemi_device_state" not in by_name["dlink.o"].read_bytes()
     t0 = time.perf_counter()
     second = jit.build(arch="sm_90a", compile_only=True)
     assert second.cached and second.key == first.key
     assert time.perf_counter() - t0 < 30  # hashing only, no compiler
+
+
+@needs_nvcc
+@pytest.mark.timeout(900)
+def test_put_build_compiles_its_device_puts(fresh_cache):
+    """The put build (multi-node EP, FLASHMOE_FORCE_PUT) is the only one that compiles NVSHMEM's device calls and
+    links its device library: CI's compile check of that path. Both kernels are relocatable there."""
+    put = jit.build(arch="sm_90a", compile_only=True, variant=jit.Variant.default().with_puts())
+    by_name = {o.name: o for o in put.objects}
+    for name in ("kernel_bf16.o", "kernel_fp8.o"):
+        out = subprocess.run(
+            ["readelf", "-S", "-W", str(by_name[name])], capture_output=True, text=True
+        ).stdout
+        assert "__nv_relfatbin" in out, (name, out)
+    # NVSHMEM's device library is in the device link (its device state's name in the embedded device ELF).
+    assert b"nvshmemi_device_state" in by_name["dlink.o"].read_bytes()
 
 
 @needs_nvcc
@@ -221,6 +246,7 @@ def test_every_source_file_is_in_the_key(tmp_path):
         base,
         jit.build_key(src, stress, "sm_90a", nvcc),
     )
+    assert jit.build_key(src, variant.with_puts(), "sm_90a", nvcc) != base
 
 
 def test_variant_follows_the_environment(monkeypatch):
@@ -239,6 +265,15 @@ def test_variant_follows_the_environment(monkeypatch):
         jit.Variant.current()
     monkeypatch.delenv("FLASHMOE_TRACE")
     assert jit.Variant.current().ops_namespace == "flashmoe_stress"
+    # The put build of any variant: its own op namespace and cache name, one define more.
+    put = jit.Variant.current(device_puts=True)
+    assert put.device_puts and not jit.Variant.current().device_puts
+    assert put.ops_namespace == "flashmoe_stress_put" and put.name == "stress100-put"
+    assert (
+        "FLASHMOE_OPS=flashmoe_stress_put" in put.defines
+        and "FLASHMOE_OPS=flashmoe_stress" not in put.defines
+    )
+    assert put.with_puts() == put
 
 
 def test_missing_nvcc_is_a_clear_error(monkeypatch, tmp_path):

@@ -17,7 +17,7 @@ namespace flashmoe {
 constexpr int kCombineColumns = 32 * 8;  // a warp's chunk: 8 bf16 per lane
 constexpr int kCombineBatch = 8;         // slot rows loaded before their multiply-adds
 
-__device__ void combine_tokens(const Params& p, bool padding) {
+static __device__ void combine_tokens(const Params& p, bool padding) {
   const int lane = threadIdx.x & 31;
   const int warps_total = gridDim.x * kWarps;
   const int warp_global = grid_warp_index();

@@ -7,19 +7,59 @@
 // consumed the dispatch of e. So the word holds e-1 or e while the receiver waits for e, and the epoch never
 // aliases (2^32 calls between equal values). Data buffers are reused under the same argument: a source writes
 // call e+1's rows only after the destination has finished reading call e's.
+//
+// Two builds (plugin/flashmoe/build/recipe.py). The default one reaches peers by NVLink stores only, so it needs no
+// NVSHMEM device code, and compiles the fp8 kernel as a whole program (faster, and ptxas honours setmaxnreg
+// only there). The put build (FLASHMOE_DEVICE_PUTS=1) also reaches peers on other nodes, or every peer under
+// FLASHMOE_FORCE_PUT, through NVSHMEM's device library, which needs relocatable device code. The host picks the
+// build from the topology and refuses to launch the default one where a peer would need puts (kernel.cu
+// peer_table), so the traps below are unreachable.
 #pragma once
 
+#ifndef FLASHMOE_DEVICE_PUTS
+#define FLASHMOE_DEVICE_PUTS 0
+#endif
+#if FLASHMOE_DEVICE_PUTS
 #include <nvshmem.h>
 #include <nvshmemx.h>
+#endif
 
 #include "common.cuh"
 #include "params.cuh"
 
 namespace flashmoe {
 
+constexpr bool kDevicePuts = FLASHMOE_DEVICE_PUTS != 0;
+
 struct PeerTable {
   char* base[kMaxWorld];  // peer's symmetric heap mapped into this GPU, or nullptr (use puts)
 };
+
+// NVSHMEM's one-sided operations for proxied peers (put build only; see above).
+__device__ __forceinline__ void put_warp(void* dst, const void* src, size_t bytes, int pe) {
+#if FLASHMOE_DEVICE_PUTS
+  nvshmemx_putmem_nbi_warp(dst, src, bytes, pe);
+#else
+  (void)dst, (void)src, (void)bytes, (void)pe;
+  __trap();
+#endif
+}
+__device__ __forceinline__ void put_thread(void* dst, const void* src, size_t bytes, int pe) {
+#if FLASHMOE_DEVICE_PUTS
+  nvshmem_putmem_nbi(dst, src, bytes, pe);
+#else
+  (void)dst, (void)src, (void)bytes, (void)pe;
+  __trap();
+#endif
+}
+// Every put this PE issued is delivered.
+__device__ __forceinline__ void quiet_puts() {
+#if FLASHMOE_DEVICE_PUTS
+  nvshmem_quiet();
+#else
+  __trap();
+#endif
+}
 
 __device__ __forceinline__ bool use_p2p(const PeerTable& peers, int r) { return peers.base[r] != nullptr; }
 
@@ -28,7 +68,8 @@ __device__ __forceinline__ bool aborted(const Params& p) {
 }
 
 // First block to give up records why, host-visible, then raises the abort flag every waiter polls.
-__device__ void record_timeout(const Params& p, int phase, int peer, int64_t detail, uint32_t epoch, uint64_t observed) {
+static __device__ void record_timeout(const Params& p, int phase, int peer, int64_t detail, uint32_t epoch,
+                                      uint64_t observed) {
   int* flag = ws_ptr<int>(p, p.ws_off.abort_flag);
   if (atomicCAS(flag, 0, 1) == 0) {
     volatile Status* s = p.status;
@@ -46,7 +87,7 @@ __device__ void record_timeout(const Params& p, int phase, int peer, int64_t det
 }
 
 // Spin until (*word >> 32) == epoch; bounded by p.timeout_ns. Returns the word, or 0 after a timeout/abort.
-__device__ uint64_t wait_signal(const Params& p, const uint64_t* word, uint32_t epoch, int phase, int peer) {
+static __device__ uint64_t wait_signal(const Params& p, const uint64_t* word, uint32_t epoch, int phase, int peer) {
   stress_delay(peer + 17 * phase);
   const uint64_t start = globaltimer_ns();
   uint32_t spins = 0;
@@ -72,13 +113,17 @@ __device__ __forceinline__ void send_signal(const Params& p, const PeerTable& pe
     const int64_t off = reinterpret_cast<char*>(local_word) - p.sym;
     st_release_sys(reinterpret_cast<uint64_t*>(peers.base[pe] + off), value);
   } else {
+#if FLASHMOE_DEVICE_PUTS
     nvshmemx_signal_op(local_word, value, NVSHMEM_SIGNAL_SET, pe);
+#else
+    __trap();
+#endif
   }
 }
 
 // Reset-free grid barrier for co-resident blocks (cooperative launch guarantees residency): each block adds 1,
 // block 0 adds 2^31 - (n - 1), so the high bit flips exactly when all n have arrived; the low bits return to 0.
-__device__ void grid_barrier(const Params& p, int index, uint32_t epoch, int64_t* phase_end = nullptr) {
+static __device__ void grid_barrier(const Params& p, int index, uint32_t epoch, int64_t* phase_end = nullptr) {
   __syncthreads();
   if (threadIdx.x == 0) {
     uint32_t* word = ws_ptr<uint32_t>(p, p.ws_off.barrier);
@@ -103,14 +148,9 @@ __device__ void grid_barrier(const Params& p, int index, uint32_t epoch, int64_t
   __syncthreads();
 }
 
-__device__ void load_peer_table(const Params& p, PeerTable& peers) {
-  // Shared-memory table filled by the first `world` threads. Stores only within our node (even where
-  // nvshmem_ptr maps a peer on another one: FLASHMOE_NODE_SIZE simulates nodes on one host), puts elsewhere.
-  if (threadIdx.x < p.world_size) {
-    char* remote = static_cast<char*>(nvshmem_ptr(p.sym, threadIdx.x));
-    const bool same_node = static_cast<int>(threadIdx.x) / p.node_size == p.rank / p.node_size;
-    peers.base[threadIdx.x] = p.force_put || !same_node ? nullptr : remote;
-  }
+// Shared-memory copy of the host's peer table (kernel.cu: nvshmem_ptr, then the node and force-put rules).
+static __device__ void load_peer_table(const Params& p, PeerTable& peers) {
+  if (threadIdx.x < p.world_size) peers.base[threadIdx.x] = p.peer_sym[threadIdx.x];
   __syncthreads();
 }
 

@@ -59,7 +59,7 @@ __device__ __forceinline__ void send_meta(const Params& p, const PeerTable& peer
     int* meta_stage = sym_ptr<int>(p, p.sym_off.send_meta) + (static_cast<int64_t>(r) * p.max_tokens_per_rank + slot) * mstride;
     if (lane <= k) meta_stage[lane] = meta_value;
     __syncwarp();
-    nvshmemx_putmem_nbi_warp(sym_ptr<int>(p, p.sym_off.recv_meta) + row * mstride, meta_stage, mstride * 4, r);
+    put_warp(sym_ptr<int>(p, p.sym_off.recv_meta) + row * mstride, meta_stage, mstride * 4, r);
   }
 }
 
@@ -148,8 +148,8 @@ __device__ __forceinline__ void send_row_fp8(const Params& p, const PeerTable& p
     const int slot = __shfl_sync(0xffffffffu, my_slot, L);
     if (use_p2p(peers, r)) continue;
     const int64_t row = static_cast<int64_t>(p.rank) * p.max_tokens_per_rank + slot;
-    nvshmemx_putmem_nbi_warp(sym_ptr<uint8_t>(p, p.sym_off.recv_tokens) + row * H, stage_row, H, r);
-    nvshmemx_putmem_nbi_warp(sym_ptr<float>(p, p.sym_off.recv_scales) + row * groups, stage_scales, groups * 4, r);
+    put_warp(sym_ptr<uint8_t>(p, p.sym_off.recv_tokens) + row * H, stage_row, H, r);
+    put_warp(sym_ptr<float>(p, p.sym_off.recv_scales) + row * groups, stage_scales, groups * 4, r);
   }
 }
 
@@ -217,7 +217,7 @@ __device__ int dispatch_tokens(const Params& p, const PeerTable& peers, int num_
             __syncwarp();
           }
           send_meta(p, peers, r, slot, lane == 0 ? t : (dest_prev == r ? local_prev : -1));
-          nvshmemx_putmem_nbi_warp(sym_ptr<bf16>(p, p.sym_off.recv_tokens) + row * H,
+          put_warp(sym_ptr<bf16>(p, p.sym_off.recv_tokens) + row * H,
                                    sym_ptr<bf16>(p, p.sym_off.send_tokens) + static_cast<int64_t>(t) * H, H * 2, r);
         }
       }

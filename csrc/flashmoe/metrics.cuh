@@ -39,7 +39,7 @@ __device__ __forceinline__ int64_t* phase_end_field(const Params& p, uint32_t ep
 }
 
 // Block 0, thread 0, at kernel start: the record is incomplete (seq 0) until the last block publishes it.
-__device__ void open_record(const Params& p, uint32_t epoch, uint64_t start_ns, int tokens_in) {
+static __device__ void open_record(const Params& p, uint32_t epoch, uint64_t start_ns, int tokens_in) {
   int64_t* rec = ring_record(p, epoch);
   // The phase-end fields are not cleared: other blocks may already have marked this call's dispatch end, and
   // what the slot held (a call kRingSlots earlier) is older than any time of this call, so atomicMax is right.
@@ -58,7 +58,7 @@ __device__ void open_record(const Params& p, uint32_t epoch, uint64_t start_ns, 
 // each block adds only what it has (rows and bytes are zero for most blocks at small T), the totals are
 // added here rather than read back from the record by the last block, and only the count returns a value.
 // The last block stamps the end (a time after every block's count) and then the seq that publishes the record.
-__device__ void publish_metrics(const Params& p, uint32_t epoch, uint64_t busy_ns, int64_t rows_sent,
+static __device__ void publish_metrics(const Params& p, uint32_t epoch, uint64_t busy_ns, int64_t rows_sent,
                                 int64_t remote_bytes, int rows_received, int tokens_in) {
   int64_t* rec = ring_record(p, epoch);
   unsigned long long* u = reinterpret_cast<unsigned long long*>(rec);

@@ -79,7 +79,7 @@ __device__ void moe_layer(const Params& p) {
     // Puts issued by any block of this PE are delivered (NVLink stores were fenced above). Only with proxied
     // peers: quiet goes through NVSHMEM's proxy channel, which costs tens of microseconds and varies with the
     // host thread's scheduling.
-    if (sh.any_proxied) nvshmem_quiet();
+    if (sh.any_proxied) quiet_puts();
     const uint32_t* send_count = ws_ptr<uint32_t>(p, p.ws_off.rank_send_count);
     for (int r = 0; r < p.world_size; ++r) {
       const uint32_t n = __ldcg(send_count + r);
@@ -112,7 +112,7 @@ __device__ void moe_layer(const Params& p) {
   grid_barrier(p, 3, epoch, phase_end_field(p, epoch, kRingGemm1EndNs));
   trace(kTraceBarrier3Done);
   if (blockIdx.x == 0 && threadIdx.x == 0) {
-    if (sh.any_proxied) nvshmem_quiet();
+    if (sh.any_proxied) quiet_puts();
     for (int r = 0; r < p.world_size; ++r)
       send_signal(p, sh.peers, sym_ptr<uint64_t>(p, p.sym_off.combine_signal) + p.rank, r,
                   static_cast<uint64_t>(epoch) << 32);

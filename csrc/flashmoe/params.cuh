@@ -20,8 +20,6 @@ struct Params {
   int num_local;     // experts on this rank
   int rank, world_size;
   int max_tokens_per_rank;  // capacity: rows per source in the receive buffers
-  int force_put;     // 1: put-with-signal to every peer, even NVLink ones
-  int node_size;     // EP ranks per node (contiguous blocks): peers on other nodes get puts
   int layer_id;
   int metrics;       // 1: write the metrics ring
   int gemm0_max_splits;  // 1..kMaxGemm0Splits (scheduler.cuh)
@@ -45,6 +43,9 @@ struct Params {
 
   // Symmetric heap (local addresses) and local workspace.
   char* sym;
+  // Rank r's symmetric heap mapped into this GPU (NVLink stores), or null where r is reached by puts: another
+  // node, or FLASHMOE_FORCE_PUT (the host applies the rules, kernel.cu peer_table).
+  char* peer_sym[kMaxWorld];
   SymLayout sym_off;
   char* ws;
   WorkspaceLayout ws_off;

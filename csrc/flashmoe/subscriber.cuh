@@ -15,7 +15,7 @@ struct Received {
 };
 
 // Thread 0 of every block waits for all dispatch signals; the counts go to shared memory.
-__device__ void wait_dispatch(const Params& p, uint32_t epoch, Received& recv) {
+static __device__ void wait_dispatch(const Params& p, uint32_t epoch, Received& recv) {
   if (threadIdx.x == 0) {
     const uint64_t* signals = sym_ptr<uint64_t>(p, p.sym_off.dispatch_signal);
     recv.total = 0;
@@ -31,7 +31,7 @@ __device__ void wait_dispatch(const Params& p, uint32_t epoch, Received& recv) {
 
 // One thread per received (row, top-k slot): append (row, j) to its expert's list. Per entry, not per row, so
 // no thread runs k dependent load -> atomic -> store chains in a row.
-__device__ void build_expert_lists(const Params& p, const Received& recv) {
+static __device__ void build_expert_lists(const Params& p, const Received& recv) {
   const int k = p.top_k;
   const int64_t mstride = meta_stride(k);
   const int* meta = sym_ptr<int>(p, p.sym_off.recv_meta);
@@ -52,7 +52,7 @@ __device__ void build_expert_lists(const Params& p, const Received& recv) {
 
 // Thread 0 of every block waits for every owner's combine signal (a timeout is recorded, not returned: the
 // block runs on and Python raises).
-__device__ void wait_combine(const Params& p, uint32_t epoch) {
+static __device__ void wait_combine(const Params& p, uint32_t epoch) {
   if (threadIdx.x == 0) {
     const uint64_t* signals = sym_ptr<uint64_t>(p, p.sym_off.combine_signal);
     for (int r = 0; r < p.world_size; ++r) wait_signal(p, signals + r, epoch, kPhaseCombineWait, r);

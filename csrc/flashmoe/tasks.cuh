@@ -281,7 +281,7 @@ __device__ __forceinline__ int64_t store_outputs(const Params& p, const PeerTabl
                         kMaxTileTokens * kConsumerRows;
   if (any_proxied && ring_slot == 0 && put_tiles > 0) {
     // Wrapped: the puts from every slot are complete (quiet covers all of this PE's) before one is rewritten.
-    if (tid == 0) nvshmem_quiet();
+    if (tid == 0) quiet_puts();
     consumer_sync(consumer);
   }
   int64_t remote_bytes = 0;
@@ -313,7 +313,7 @@ __device__ __forceinline__ int64_t store_outputs(const Params& p, const PeerTabl
     // Proxied rows: one put per row segment from the staging slot.
     consumer_sync(consumer);
     if (tid < rows && !use_p2p(peers, row_rank[tid]))
-      nvshmem_putmem_nbi(sym_ptr<bf16>(p, p.sym_off.combine_rows) + row_dst[tid], put_stage + tid * features,
+      put_thread(sym_ptr<bf16>(p, p.sym_off.combine_rows) + row_dst[tid], put_stage + tid * features,
                          features * 2, row_rank[tid]);
     ++put_tiles;
   }

@@ -7,6 +7,11 @@
 // overwrites the lists; `trace_dump` copies the last launch's out (bindings). Tools: scripts/kernel_trace.py.
 #pragma once
 
+#include <cuda_runtime.h>
+
+#include <stdexcept>
+#include <string>
+
 #include "common.cuh"
 
 #ifndef FLASHMOE_TRACE
@@ -56,10 +61,25 @@ struct TraceEvent {
 static_assert(sizeof(TraceEvent) == 32, "trace_dump's record size");
 
 #if FLASHMOE_TRACE
-__device__ TraceEvent g_trace_events[kTraceMaxBlocks][kTraceRoles][kTraceMaxEvents];
-__device__ uint32_t g_trace_counts[kTraceMaxBlocks][kTraceRoles];  // events written by the last launch
+// Per translation unit (static): each kernel's own (kernels.h), whether or not its unit is relocatable code.
+static __device__ TraceEvent g_trace_events[kTraceMaxBlocks][kTraceRoles][kTraceMaxEvents];
+static __device__ uint32_t g_trace_counts[kTraceMaxBlocks][kTraceRoles];  // events written by the last launch
 __shared__ uint32_t trace_next[kTraceRoles];
 #endif
+
+// Host: this translation unit's trace buffers into host memory (kernel.cu trace_copy).
+static inline void copy_trace_buffers(void* counts_host, void* events_host) {
+#if FLASHMOE_TRACE
+  const cudaError_t counts = cudaMemcpyFromSymbol(counts_host, g_trace_counts, sizeof(g_trace_counts));
+  const cudaError_t events = cudaMemcpyFromSymbol(events_host, g_trace_events, sizeof(g_trace_events));
+  if (counts != cudaSuccess || events != cudaSuccess)
+    throw std::runtime_error(std::string("flashmoe: trace copy: ") +
+                             cudaGetErrorString(counts != cudaSuccess ? counts : events));
+#else
+  (void)counts_host, (void)events_host;
+  throw std::runtime_error("flashmoe: not a trace build (set FLASHMOE_TRACE=1 before the library loads)");
+#endif
+}
 
 // Which list the calling thread writes, or -1.
 __device__ __forceinline__ int trace_role() {

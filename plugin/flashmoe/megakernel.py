@@ -35,8 +35,9 @@ def _capacity(spec: MoELayerSpec, world: int, max_local: int, num_blocks: int) -
     )
 
 
-def _ops():
-    return build.load()
+def _ops(device_puts: bool = False):
+    """The kernel library; ``device_puts``: its put build (a peer on another node, or FLASHMOE_FORCE_PUT)."""
+    return build.load(build.Variant.current(device_puts))
 
 
 def reserve(
@@ -82,15 +83,16 @@ class MegaKernelLayer:
         layer_id: int,
     ):
         self.spec, self.rank, self.world, self.device, self.layer_id = spec, rank, world, device, layer_id
-        self.ops = _ops()  # the variant (normal / stress) is fixed here, from the environment
+        self.force_put = config.force_put()
+        self.topology = node_topology(world)
+        _log_topology(self.topology, self.force_put)
+        # The build (normal / stress / trace, and with device puts where a peer needs them) is fixed here.
+        self.ops = _ops(device_puts=self.force_put or self.topology.num_nodes > 1)
         self.num_blocks = _buffers.default_num_blocks(self.ops, device)
         cap = _capacity(spec, world, placement.max_local, self.num_blocks)
         _buffers.ensure(self.ops, cap, rank, world, cpu_group if cpu_group is not None else group, device)
         self.expert_rank = placement.expert_rank.to(device)
         self.expert_local = placement.expert_local.to(device)
-        self.force_put = config.force_put()
-        self.topology = node_topology(world)
-        _log_topology(self.topology, self.force_put)
         self.timeout_ns = config.timeout_ms() * 1_000_000
         self.metrics = config.metrics_enabled()
         self.runtime = RuntimeArgs(

@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--compile-only",
         action="store_true",
-        help="compile and device-link, do not link (a CI compile check)",
+        help="compile (and device-link, the put build), do not link (a CI compile check)",
     )
     ap.add_argument(
         "--print-key",
@@ -39,6 +39,11 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="default: from FLASHMOE_STRESS_DELAY_NS / FLASHMOE_TRACE; stress: that delay, or 2000 ns if unset; trace: the timeline build",
     )
+    ap.add_argument(
+        "--puts",
+        action="store_true",
+        help="the put build (NVSHMEM device puts: multi-node EP, FLASHMOE_FORCE_PUT); flashmoe loads it for such layers",
+    )
     args = ap.parse_args(argv)
     if args.variant == "stress":
         variant = Variant.stress(config.stress_delay_ns() or 2000)
@@ -48,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
         variant = Variant.default()
     else:
         variant = Variant.current()
+    if args.puts:
+        variant = variant.with_puts()
     try:
         arch = check_runnable(args.arch or default_arch())
         if args.print_key:

@@ -19,9 +19,22 @@ from .toolchain import nvshmem_dir
 
 @dataclass(frozen=True)
 class Variant:
-    name: str  # "default", "stress<ns>" or "trace"
+    """One build of the kernel library: its name (cache files), op namespace and compile-time defines.
+
+    ``device_puts``: the put build, which also reaches peers through NVSHMEM's device library (other nodes,
+    ``FLASHMOE_FORCE_PUT``). That library needs relocatable device code, under which ptxas ignores ``setmaxnreg``
+    (benchmarks/experiments/setmaxnreg_rdc.cu) and the fp8 kernel runs slower, so the default build leaves it out
+    (peers by NVLink stores only) and compiles the fp8 kernel as a whole program (:func:`_kernel_units`). Each
+    build has its own op namespace, ``_put`` appended.
+    """
+
+    name: str  # "default", "stress<ns>" or "trace", "-put" appended for the put build
     ops_namespace: str  # torch.ops.<ns>
     defines: tuple[str, ...]
+
+    @property
+    def device_puts(self) -> bool:
+        return "FLASHMOE_DEVICE_PUTS=1" in self.defines
 
     @staticmethod
     def default() -> Variant:
@@ -41,15 +54,28 @@ class Variant:
         """Records a tile-level timeline of each launch (csrc/flashmoe/trace.cuh); its own op namespace."""
         return Variant("trace", "flashmoe_trace", ("FLASHMOE_TRACE=1", "FLASHMOE_OPS=flashmoe_trace"))
 
+    def with_puts(self) -> Variant:
+        """The same build with NVSHMEM's device puts."""
+        if self.device_puts:
+            return self
+        namespace = f"{self.ops_namespace}_put"
+        defines = tuple(d for d in self.defines if not d.startswith("FLASHMOE_OPS="))
+        return Variant(
+            f"{self.name}-put", namespace, (*defines, "FLASHMOE_DEVICE_PUTS=1", f"FLASHMOE_OPS={namespace}")
+        )
+
     @staticmethod
-    def current() -> Variant:
-        """The variant FLASHMOE_STRESS_DELAY_NS or FLASHMOE_TRACE asks for (not both)."""
+    def current(device_puts: bool = False) -> Variant:
+        """The variant FLASHMOE_STRESS_DELAY_NS or FLASHMOE_TRACE asks for (not both); its put build if
+        ``device_puts`` (a layer with a peer on another node, or FLASHMOE_FORCE_PUT)."""
         delay = config.stress_delay_ns()
         if delay > 0 and config.trace():
             raise ValueError("FLASHMOE_STRESS_DELAY_NS and FLASHMOE_TRACE select different builds; set one")
         if delay > 0:
-            return Variant.stress(delay)
-        return Variant.trace() if config.trace() else Variant.default()
+            variant = Variant.stress(delay)
+        else:
+            variant = Variant.trace() if config.trace() else Variant.default()
+        return variant.with_puts() if device_puts else variant
 
 
 def _gencode(arch: str) -> str:
@@ -73,6 +99,16 @@ def _wait_all(procs: list[tuple[str, subprocess.Popen]]) -> None:
         raise FlashMoEBuildError("flashmoe kernel build failed:\n" + "\n".join(errors))
 
 
+# The translation units: the host API, then one per kernel (csrc/flashmoe/kernels.h), with the device-code mode
+# of each. The bf16 kernel is relocatable device code in every build: as a whole program, where its mainloops
+# are inlined (gemm.cuh FLASHMOE_MAINLOOP), it ran 1.1-2.6x slower. The fp8 kernel is a whole program except in
+# the put build (NVSHMEM's device library needs relocatable code): 1.00-1.06x faster so, and setmaxnreg works
+# only there (benchmarks/kernel-notes.md, twenty-first session).
+def _kernel_units(puts: bool) -> list[tuple[str, bool]]:
+    """(source, relocatable device code) per nvcc translation unit."""
+    return [("kernel.cu", False), ("kernel_bf16.cu", True), ("kernel_fp8.cu", puts)]
+
+
 def compile_objects(src: Path, out: Path, arch: str, variant: Variant, nvcc: str) -> list[Path]:
     import torch
     from torch.utils import cpp_extension
@@ -82,28 +118,34 @@ def compile_objects(src: Path, out: Path, arch: str, variant: Variant, nvcc: str
     includes = [f"-I{src}", f"-I{nv / 'include'}"]
     defines = [f"-D{d}" for d in variant.defines]
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
-    kernel_o, dlink_o, bind_o = out / "kernel.o", out / "dlink.o", out / "bindings.o"
+    dlink_o, bind_o = out / "dlink.o", out / "bindings.o"
+    puts = variant.device_puts
     cuda_home = Path(nvcc).resolve().parent.parent
     torch_includes = [f"-I{p}" for p in cpp_extension.include_paths()] + [f"-I{cuda_home / 'include'}"]
-    nvcc_cmd = [
-        nvcc,
-        "-c",
-        str(src / "kernel.cu"),
-        "-o",
-        str(kernel_o),
-        "-rdc=true",
-        _gencode(arch),
-        "-std=c++17",
-        "-O3",
-        "-Xcompiler",
-        "-fPIC",
-        "--expt-relaxed-constexpr",
-        "-lineinfo",
-        "-Xptxas=-v" if verbose else "-Xptxas=-O3",
-        abi,
-        *defines,
-        *includes,
-    ]
+    units = _kernel_units(puts)
+    objects = [out / Path(name).with_suffix(".o").name for name, _ in units]
+    procs = []
+    for (name, relocatable), obj in zip(units, objects, strict=True):
+        nvcc_cmd = [
+            nvcc,
+            "-c",
+            str(src / name),
+            "-o",
+            str(obj),
+            *(["-rdc=true"] if relocatable else []),
+            _gencode(arch),
+            "-std=c++17",
+            "-O3",
+            "-Xcompiler",
+            "-fPIC",
+            "--expt-relaxed-constexpr",
+            "-lineinfo",
+            "-Xptxas=-v" if verbose else "-Xptxas=-O3",
+            abi,
+            *defines,
+            *includes,
+        ]
+        procs.append((f"nvcc {name}", _run(nvcc_cmd, verbose)))
     cxx = os.environ.get("CXX", "g++")
     bind_cmd = [
         cxx,
@@ -119,13 +161,13 @@ def compile_objects(src: Path, out: Path, arch: str, variant: Variant, nvcc: str
         *includes,
         *torch_includes,
     ]
-    _wait_all([("nvcc kernel.cu", _run(nvcc_cmd, verbose)), ("c++ bindings.cpp", _run(bind_cmd, verbose))])
-    # Device link: resolves NVSHMEM's device symbols (relocatable device code) into this library.
+    _wait_all([*procs, ("c++ bindings.cpp", _run(bind_cmd, verbose))])
+    # Device link of the relocatable units, with NVSHMEM's device library in the put build.
     dlink_cmd = [
         nvcc,
         "-dlink",
-        str(kernel_o),
-        str(nv / "lib" / "libnvshmem_device.a"),
+        *[str(obj) for (_, relocatable), obj in zip(units, objects, strict=True) if relocatable],
+        *([str(nv / "lib" / "libnvshmem_device.a")] if puts else []),
         "-o",
         str(dlink_o),
         _gencode(arch),
@@ -133,7 +175,7 @@ def compile_objects(src: Path, out: Path, arch: str, variant: Variant, nvcc: str
         "-fPIC",
     ]
     _wait_all([("nvcc -dlink", _run(dlink_cmd, verbose))])
-    return [kernel_o, dlink_o, bind_o]
+    return [*objects, dlink_o, bind_o]
 
 
 def link_library(out: Path, objects: list[Path], variant: Variant, nvcc: str, tmp_suffix: str = "") -> Path:
@@ -160,9 +202,9 @@ def link_library(out: Path, objects: list[Path], variant: Variant, nvcc: str, tm
         "-o",
         str(target),
         *map(str, objects),
-        # The device archive again, for its host half: the registration stubs of its device modules and the
-        # NVSHMEM init entry point that installs this library's device state.
-        str(nv / "lib" / "libnvshmem_device.a"),
+        # Put build: the device archive again, for its host half (the registration stubs of its device modules
+        # and the NVSHMEM init entry point that installs this library's device state).
+        *([str(nv / "lib" / "libnvshmem_device.a")] if variant.device_puts else []),
         f"-L{nv / 'lib'}",
         "-l:libnvshmem_host.so.3",
         f"-Wl,-rpath,{nv / 'lib'}",
