@@ -35,31 +35,25 @@ struct PeerTable {
   char* base[kMaxWorld];  // peer's symmetric heap mapped into this GPU, or nullptr (use puts)
 };
 
-// NVSHMEM's one-sided operations for proxied peers (put build only; see above).
-__device__ __forceinline__ void put_warp(void* dst, const void* src, size_t bytes, int pe) {
+// NVSHMEM's one-sided operations for proxied peers. The default build has none to call (see above): there they
+// trap, so a launch that reached one by mistake fails loudly instead of dropping rows.
 #if FLASHMOE_DEVICE_PUTS
+__device__ __forceinline__ void put_warp(void* dst, const void* src, size_t bytes, int pe) {
   nvshmemx_putmem_nbi_warp(dst, src, bytes, pe);
-#else
-  (void)dst, (void)src, (void)bytes, (void)pe;
-  __trap();
-#endif
 }
 __device__ __forceinline__ void put_thread(void* dst, const void* src, size_t bytes, int pe) {
-#if FLASHMOE_DEVICE_PUTS
   nvshmem_putmem_nbi(dst, src, bytes, pe);
-#else
-  (void)dst, (void)src, (void)bytes, (void)pe;
-  __trap();
-#endif
 }
-// Every put this PE issued is delivered.
-__device__ __forceinline__ void quiet_puts() {
-#if FLASHMOE_DEVICE_PUTS
-  nvshmem_quiet();
-#else
-  __trap();
-#endif
+__device__ __forceinline__ void signal_set(uint64_t* word, uint64_t value, int pe) {
+  nvshmemx_signal_op(word, value, NVSHMEM_SIGNAL_SET, pe);
 }
+__device__ __forceinline__ void quiet_puts() { nvshmem_quiet(); }  // every put this PE issued is delivered
+#else
+__device__ __forceinline__ void put_warp(void*, const void*, size_t, int) { __trap(); }
+__device__ __forceinline__ void put_thread(void*, const void*, size_t, int) { __trap(); }
+__device__ __forceinline__ void signal_set(uint64_t*, uint64_t, int) { __trap(); }
+__device__ __forceinline__ void quiet_puts() { __trap(); }
+#endif
 
 __device__ __forceinline__ bool use_p2p(const PeerTable& peers, int r) { return peers.base[r] != nullptr; }
 
@@ -113,11 +107,7 @@ __device__ __forceinline__ void send_signal(const Params& p, const PeerTable& pe
     const int64_t off = reinterpret_cast<char*>(local_word) - p.sym;
     st_release_sys(reinterpret_cast<uint64_t*>(peers.base[pe] + off), value);
   } else {
-#if FLASHMOE_DEVICE_PUTS
-    nvshmemx_signal_op(local_word, value, NVSHMEM_SIGNAL_SET, pe);
-#else
-    __trap();
-#endif
+    signal_set(local_word, value, pe);
   }
 }
 

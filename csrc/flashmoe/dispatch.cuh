@@ -218,7 +218,7 @@ __device__ int dispatch_tokens(const Params& p, const PeerTable& peers, int num_
           }
           send_meta(p, peers, r, slot, lane == 0 ? t : (dest_prev == r ? local_prev : -1));
           put_warp(sym_ptr<bf16>(p, p.sym_off.recv_tokens) + row * H,
-                                   sym_ptr<bf16>(p, p.sym_off.send_tokens) + static_cast<int64_t>(t) * H, H * 2, r);
+                   sym_ptr<bf16>(p, p.sym_off.send_tokens) + static_cast<int64_t>(t) * H, H * 2, r);
         }
       }
     }

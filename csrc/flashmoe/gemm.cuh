@@ -87,6 +87,9 @@ constexpr int kFp8Gemm0Passes = kTileKFp8 / 64;  // an fp8 GEMM0 task: 128 featu
 __host__ __device__ constexpr int fp8_staging_bytes(int n) { return (n < 64 ? 64 : n) * kFp8StagingStride * 4; }
 
 static_assert(kThreads == kProducerThreads + kConsumers * 128, "one producer and two consumer warpgroups");
+static_assert(kConsumers * kConsumerRows == kHiddenMultiple, "GEMM1 output tile = H step");
+static_assert(kConsumers * kConsumerRows / 2 == kInterMultiple, "GEMM0 output tile (gate+up rows) = I step");
+static_assert(kTileK == kInterMultiple, "GEMM1 K step");
 
 // How the consumer mainloops are compiled. ptxas serialises wgmmas that may be in flight across a call, and it
 // judges that per function in relocatable device code, where each mainloop is a separate function without
@@ -98,9 +101,6 @@ static_assert(kThreads == kProducerThreads + kConsumers * 128, "one producer and
 #else
 #define FLASHMOE_MAINLOOP static __device__ __forceinline__
 #endif
-static_assert(kConsumers * kConsumerRows == kHiddenMultiple, "GEMM1 output tile = H step");
-static_assert(kConsumers * kConsumerRows / 2 == kInterMultiple, "GEMM0 output tile (gate+up rows) = I step");
-static_assert(kTileK == kInterMultiple, "GEMM1 K step");
 
 // Dynamic shared memory, carved from a 1024-byte aligned base (the 128-byte swizzle needs it):
 //   [barriers | task slots | row tables]  4 KiB
@@ -712,8 +712,8 @@ struct TileDone {
 // Smem layout and pipeline state travel by value, so the mainloop keeps them in registers; one function per
 // tile shape keeps ptxas's wgmma pipeline analysis to one accumulator set.
 template <bool kGateUp, int N>
-FLASHMOE_MAINLOOP TileDone mma_tile_to_staging(const Params& p, const GemmSmem g, PipeState st,
-                                                            int k_steps, bf16* staging, SplitK sk) {
+FLASHMOE_MAINLOOP TileDone mma_tile_to_staging(const Params& p, const GemmSmem g, PipeState st, int k_steps,
+                                               bf16* staging, SplitK sk) {
   constexpr int kHalves = ping_pong(N, false) ? 2 : 1;
   float acc[kHalves][N / 2];
   consume_tile<N>(p, g, st, k_steps, acc);
@@ -736,9 +736,8 @@ static_assert(fp8_gemm0_splittable(32) && fp8_gemm0_splittable(64) && !fp8_gemm0
 // fp8: GEMM0 (kGateUp: fp32 SwiGLU values at fp32 staging column `column`; a split task's pass instead leaves
 // its sums in part `pass` of its slot) or GEMM1 (bf16 rows). Token-major tiles (128 tokens) are never split.
 template <bool kGateUp, int N>
-FLASHMOE_MAINLOOP PipeState mma_fp8_tile_to_staging(const Params& p, const GemmSmem g, PipeState st,
-                                                          int k_steps, void* staging, int column, SplitK sk = SplitK{},
-                                                          int pass = 0) {
+FLASHMOE_MAINLOOP PipeState mma_fp8_tile_to_staging(const Params& p, const GemmSmem g, PipeState st, int k_steps,
+                                                    void* staging, int column, SplitK sk = SplitK{}, int pass = 0) {
   if constexpr (token_major(N, true)) {
     (void)sk, (void)pass;
     float acc[kTileWeightRows / 2];
@@ -794,7 +793,8 @@ __device__ __forceinline__ Staged mma_tile_to_staging(const Params& p, const Gem
 }
 
 // The last split of an fp8 GEMM0 task: both passes' sums into SwiGLU values in the fp32 staging, as the unsplit
-// passes leave them. Its own function: its 32 sums per pass would otherwise live in the kernel body's registers.
+// passes leave them. Its own function in relocatable units: its 32 sums per pass would otherwise live in the
+// kernel body's registers (a whole program inlines it with the mainloops, FLASHMOE_MAINLOOP).
 template <int N>
 FLASHMOE_MAINLOOP void fp8_split_sums_to_staging(const SplitK sk, float* staging, int column) {
   constexpr int kHalves = ping_pong(N, true) ? 2 : 1;

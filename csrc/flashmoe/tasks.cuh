@@ -313,8 +313,8 @@ __device__ __forceinline__ int64_t store_outputs(const Params& p, const PeerTabl
     // Proxied rows: one put per row segment from the staging slot.
     consumer_sync(consumer);
     if (tid < rows && !use_p2p(peers, row_rank[tid]))
-      put_thread(sym_ptr<bf16>(p, p.sym_off.combine_rows) + row_dst[tid], put_stage + tid * features,
-                         features * 2, row_rank[tid]);
+      put_thread(sym_ptr<bf16>(p, p.sym_off.combine_rows) + row_dst[tid], put_stage + tid * features, features * 2,
+                 row_rank[tid]);
     ++put_tiles;
   }
   consumer_sync(consumer);  // staging and the row table are rewritten by the consumer's next tile

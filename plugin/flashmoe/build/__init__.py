@@ -1,7 +1,7 @@
 """Build the CUDA sources on first use, cached by a hash of everything that goes into the binary.
 
     python -m flashmoe.build --arch sm_90a                  # no GPU needed: the full build (compile, device-link, link)
-    python -m flashmoe.build --arch sm_90a --compile-only   # no GPU needed: compile only (CI check)
+    python -m flashmoe.build --arch sm_90a --compile-only   # no GPU needed: compile and device-link only (CI check)
     python -m flashmoe.build --arch sm_90a --puts           # the put build (multi-node EP, FLASHMOE_FORCE_PUT)
     python -m flashmoe.build --arch sm_90a --print-key      # the key and library path, without building
     python -m flashmoe.build                                # build (if needed) for the running GPU
@@ -10,9 +10,10 @@ Only sm_90a is built (the megakernel runs on Hopper only); another --arch is ref
 or driver (the Docker image build) is the very library the runtime finds on an H100/H200. The link needs no driver:
 nothing in the library calls the driver API (libcudart loads the driver at run time), so neither ``libcuda`` nor
 its stub is linked. Shapes are runtime arguments of the kernel, so one build serves every layer of a topology: the
-default build reaches peers by NVLink stores and is a whole program (so ptxas honours the kernel's ``setmaxnreg``);
-the put build adds NVSHMEM's device library (relocatable device code, device-linked) for peers on other nodes or
-``FLASHMOE_FORCE_PUT``. The stress-test and trace builds are the other compile-time variants (:class:`.recipe.Variant`).
+default build reaches peers by NVLink stores and compiles the fp8 kernel as a whole program (so ptxas honours
+``setmaxnreg`` there); the put build adds NVSHMEM's device library (relocatable device code) for peers on other
+nodes or ``FLASHMOE_FORCE_PUT``. The stress-test and trace builds are the other compile-time variants
+(:class:`.recipe.Variant`; the code mode of each translation unit: ``recipe._kernel_units``).
 
 Modules: :mod:`.toolchain` (sources, nvcc, NVSHMEM, arch), :mod:`.recipe` (command lines, variants), :mod:`.cache`
 (key, cache entries, build and load), ``__main__`` (the command line).

@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--compile-only",
         action="store_true",
-        help="compile (and device-link, the put build), do not link (a CI compile check)",
+        help="compile and device-link, do not link (a CI compile check)",
     )
     ap.add_argument(
         "--print-key",
