@@ -19,8 +19,8 @@ constexpr int kCombineBatch = 8;         // slot rows loaded before their multip
 
 // In a whole program (the default build's fp8 kernel) a function of its own: inlined there, where ptxas allocates
 // the kernel's registers for every phase at once, this loop's loaded rows went to local memory, and the fp8 layer
-// ran 1.03-1.10x slower. In relocatable code (the bf16 kernel) it stays inlined: as a call its phase took 1-4 us
-// longer (benchmarks/kernel-notes.md, twenty-second session).
+// ran 1.02-1.09x slower. In relocatable code (the bf16 kernel, the put build) it stays inlined: as a call its phase
+// took 1-4 us longer there (benchmarks/kernel-notes.md, twenty-second session).
 #ifdef __CUDACC_RDC__
 static __device__ void combine_tokens(const Params& p, bool padding) {
 #else
