@@ -266,12 +266,14 @@ void trace_copy(void* counts_host, void* events_host) {
 }
 
 std::string build_info() {
-  return std::string("flashmoe megakernel: wgmma swap-AB, ") + std::to_string(kTileWeightRows) +
-         " weight rows x 32/64/128 tokens x " + std::to_string(kTileK) + " k bf16 (" +
-         std::to_string(stages_for(32, false)) + "/" + std::to_string(stages_for(64, false)) + "/" +
-         std::to_string(stages_for(128, false)) + " TMA stages) or x 32/64/128 tokens x " +
-         std::to_string(kTileKFp8) + " k block-fp8 (" + std::to_string(stages_for(32, true)) + "/" +
-         std::to_string(stages_for(64, true)) + "/" + std::to_string(stages_for(128, true)) +
+  const auto stages = [](bool fp8) {
+    return std::to_string(stages_for(kDecodeTileTokens, fp8)) + "/" + std::to_string(stages_for(32, fp8)) + "/" +
+           std::to_string(stages_for(64, fp8)) + "/" + std::to_string(stages_for(128, fp8));
+  };
+  const std::string widths = std::to_string(kDecodeTileTokens) + "/32/64/128";
+  return std::string("flashmoe megakernel: wgmma swap-AB, ") + std::to_string(kTileWeightRows) + " weight rows x " +
+         widths + " tokens x " + std::to_string(kTileK) + " k bf16 (" + stages(false) + " TMA stages) or x " + widths +
+         " tokens x " + std::to_string(kTileKFp8) + " k block-fp8 (" + stages(true) +
          " stages; 128 tokens token-major), dynamic task queue, stress_delay_ns=" +
          std::to_string(FLASHMOE_STRESS_DELAY_NS) +
          (FLASHMOE_TRACE ? ", trace" : "") + (kDevicePuts ? ", device puts" : ", NVLink stores only") + ", NVSHMEM " +

@@ -29,9 +29,9 @@ pytestmark = [
 
 E, H, INTER = 32, 2048, 768  # Qwen3-30B-A3B per EP4 rank: 32 K steps per GEMM0 tile, up to 4 splits
 # (dtype, top_k, tokens, routing of tests/moe_inputs.py). bf16: 2 and 4 active experts (24 and 48 GEMM0 tiles,
-# 12 per expert, for 132 blocks: 4 and 2 splits); top-1 onto one expert with 40 rows (64-token ping-pong tiles) and
+# 12 per expert, for 132 blocks: 4 and 2 splits; 16-token tiles); top-1 onto one expert with 40 rows (64-token ping-pong tiles) and
 # with 100 rows (128-token split-width tiles). fp8 (16 K steps of 128: at most 2 splits): 8 active experts (48
-# tasks, 32-token ping-pong), top-1 onto one expert with 40 rows (64-token split-width tiles); with 100 and 200
+# tasks, 16-token ping-pong: every expert of the call has one row), top-1 onto one expert with 40 rows (64-token split-width tiles); with 100 and 200
 # rows (one and two 128-token tiles, 6 and 12 GEMM0 tasks: not split).
 CASES = [
     ("bf16", 2, 1, "uniform"),

@@ -4,8 +4,9 @@
 //
 // Every expert GEMM computes out[token, feature] = sum_k x[token, k] * W[feature, k] as
 // D[feature, token] = W[feature, :] . x[token, :] ("swap-AB"): 64 weight rows are wgmma's A operand and the
-// tokens its N side (32, 64 or 128 per tile, chosen per expert from its row count). An expert with one row
-// wastes no tensor-core row, and each weight tile streams from HBM once per call however few tokens use it.
+// tokens its N side (16, 32, 64 or 128 per tile, chosen per expert from its row count; 16 only in calls whose
+// every expert fits it, see call_tile_tokens). An expert with one row wastes no tensor-core row, and each
+// weight tile streams from HBM once per call however few tokens use it.
 //
 //   warpgroup 0     producer: thread 0 issues the TMA loads of the 128 weight rows of a stage (128-byte
 //                   swizzle); all 128 threads gather the stage's token rows with cp.async into the same
@@ -84,7 +85,9 @@ __host__ __device__ constexpr int staging_stride(int n, bool fp8) { return consu
 // split tile's 64 or 128 tokens span the whole area (each consumer writes its features' columns).
 constexpr int kFp8StagingStride = kTileKFp8 + 4;                   // floats
 constexpr int kFp8Gemm0Passes = kTileKFp8 / 64;  // an fp8 GEMM0 task: 128 features = two 64-feature weight tiles
-__host__ __device__ constexpr int fp8_staging_bytes(int n) { return (n < 64 ? 64 : n) * kFp8StagingStride * 4; }
+__host__ __device__ constexpr int fp8_staging_bytes(int n) {
+  return (ping_pong(n, true) ? kConsumers * n : n) * kFp8StagingStride * 4;
+}
 
 static_assert(kThreads == kProducerThreads + kConsumers * 128, "one producer and two consumer warpgroups");
 static_assert(kConsumers * kConsumerRows == kHiddenMultiple, "GEMM1 output tile = H step");
@@ -106,7 +109,7 @@ static_assert(kTileK == kInterMultiple, "GEMM1 K step");
 //   [barriers | task slots | row tables]  4 KiB
 //   [stage pool ........................ | epilogue staging]
 // A stage holds 16 KiB of weights and N x 128 B of token rows, so its size follows the tile's token count N:
-// decode tiles (N = 32) get 9 stages (144 KiB of weights in flight per SM), N = 64 7, N = 128 5. The epilogue
+// decode tiles (N = 16) get 10 stages (160 KiB of weights in flight per SM), N = 32 9, 64 7, 128 5. The epilogue
 // staging (N rows per consumer) sits at the top of the pool. Tiles of another N re-carve the pool after a
 // full drain (see PipeState::enter).
 constexpr int kMaxStages = 10;
@@ -140,13 +143,18 @@ __host__ __device__ constexpr int stages_for(int n, bool fp8) {
   const int fit = (kStagePoolBytes - staging_bytes(n, fp8)) / stage_bytes(n);
   return fit < kMaxStages ? fit : kMaxStages;
 }
-static_assert(stages_for(32, false) == 9 && stages_for(64, false) == 7 && stages_for(128, false) == 5,
+static_assert(stages_for(16, false) == 10 && stages_for(32, false) == 9 && stages_for(64, false) == 7 &&
+                  stages_for(128, false) == 5,
               "bf16 stage counts per tile width");
-static_assert(stages_for(32, true) == 8 && stages_for(64, true) == 7 && stages_for(128, true) == 4,
+static_assert(stages_for(16, true) == 10 && stages_for(32, true) == 8 && stages_for(64, true) == 7 &&
+                  stages_for(128, true) == 4,
               "fp8 stage counts per tile width");
-static_assert(stage_bytes(32) % 1024 == 0 && stage_bytes(64) % 1024 == 0 && stage_bytes(128) % 1024 == 0,
+static_assert(stage_bytes(16) % 1024 == 0 && stage_bytes(32) % 1024 == 0 && stage_bytes(64) % 1024 == 0 &&
+                  stage_bytes(128) % 1024 == 0,
               "stages stay 1024-byte aligned");
-static_assert(fp8_staging_bytes(32) / kConsumers >= 32 * kFp8StagingStride * 4 &&
+static_assert(fp8_staging_bytes(16) / kConsumers >= 16 * kFp8StagingStride * 4 &&
+                  fp8_staging_bytes(16) / kConsumers >= 16 * staging_stride(16, true) * 2 &&
+                  fp8_staging_bytes(32) / kConsumers >= 32 * kFp8StagingStride * 4 &&
                   fp8_staging_bytes(32) / kConsumers >= 32 * staging_stride(32, true) * 2 &&
                   fp8_staging_bytes(64) / kConsumers >= 64 * staging_stride(64, true) * 2 &&
                   fp8_staging_bytes(128) / kConsumers >= kConsumerRows * kTokenMajorStride * 2,
@@ -260,21 +268,37 @@ struct PipeState {
   }
 };
 
-// Token tile for an expert with `rows` rows (either format): the smallest that holds them, else tiles of the
-// widest.
+// Token tile for an expert with `rows` rows (either format): the smallest of 32, 64 and 128 that holds them,
+// else tiles of the widest.
 __host__ __device__ constexpr int tile_tokens_for(int rows) {
   return rows <= 32 ? 32 : rows <= 64 ? 64 : kMaxTileTokens;
 }
 
-// Runs f(std::integral_constant<int, N>{}) for a tile width N from tile_tokens_for (32, 64 or 128).
+// Decode tiles: an expert with a handful of rows (EP4 decode: 1-8) fills 16 token columns no worse than 32, and
+// the narrower wgmma, token loads and promotion shorten each stage of the SM's own work, which bounds the
+// decode stream wherever fewer than all SMs stream (benchmarks/kernel-notes.md).
+constexpr int kDecodeTileTokens = 16;
+
+// The token tile of an expert with `rows` rows in a call whose largest expert has `max_rows`: 16 when every
+// expert of the call fits it, else tile_tokens_for. Per call, not per expert: a width change drains the ring
+// (PipeState::enter), and a call mixing 16- and 32-token experts would change width between most of a
+// block's tiles. Either width gives an expert of <= 16 rows one tile, so tile counts follow tile_tokens_for.
+__host__ __device__ constexpr int call_tile_tokens(int rows, int max_rows) {
+  return max_rows <= kDecodeTileTokens ? kDecodeTileTokens : tile_tokens_for(rows);
+}
+static_assert(call_tile_tokens(3, 16) == 16 && call_tile_tokens(3, 17) == 32 && call_tile_tokens(100, 100) == 128,
+              "tile width rule");
+
+// Runs f(std::integral_constant<int, N>{}) for a tile width N from call_tile_tokens (16, 32, 64 or 128).
 template <typename F>
 __device__ __forceinline__ void with_tile_tokens(int n, F&& f) {
-  if (n == 32) f(std::integral_constant<int, 32>{});
+  if (n == kDecodeTileTokens) f(std::integral_constant<int, kDecodeTileTokens>{});
+  else if (n == 32) f(std::integral_constant<int, 32>{});
   else if (n == 64) f(std::integral_constant<int, 64>{});
   else f(std::integral_constant<int, 128>{});
 }
 
-// Producer side of one tile of `n` tokens (a tile_tokens_for width), `rows` of them valid.
+// Producer side of one tile of `n` tokens (a call_tile_tokens width), `rows` of them valid.
 // `row_at(r)` is the start of token row r (r < rows; the rest are zero-filled), K step ks its bytes
 // [128 ks, 128 ks + 128); fp8: `scale_at(r)` is row r's scales, one per K step. `issue_weights(stage,
 // full_barrier, ks, weight_scale_dst)` issues the TMA loads of K step ks's 128 weight rows (kStageWeightBytes
@@ -731,7 +755,9 @@ FLASHMOE_MAINLOOP TileDone mma_tile_to_staging(const Params& p, const GemmSmem g
 __host__ __device__ constexpr bool fp8_gemm0_splittable(int n) {
   return kFp8Gemm0Passes * (ping_pong(n, true) ? 2 : 1) * (n / 2) * 128 <= kSplitSlotFloats;
 }
-static_assert(fp8_gemm0_splittable(32) && fp8_gemm0_splittable(64) && !fp8_gemm0_splittable(128), "split slots");
+static_assert(fp8_gemm0_splittable(16) && fp8_gemm0_splittable(32) && fp8_gemm0_splittable(64) &&
+                  !fp8_gemm0_splittable(128),
+              "split slots");
 
 // fp8: GEMM0 (kGateUp: fp32 SwiGLU values at fp32 staging column `column`; a split task's pass instead leaves
 // its sums in part `pass` of its slot) or GEMM1 (bf16 rows). Token-major tiles (128 tokens) are never split.

@@ -123,6 +123,18 @@ template <int N>
 struct Wgmma;
 
 template <>
+struct Wgmma<16> {
+  static __device__ __forceinline__ void mma(float (&d)[8], uint64_t a_desc, uint64_t b_desc, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+        : "l"(a_desc), "l"(b_desc), "r"(accumulate));
+  }
+};
+
+template <>
 struct Wgmma<32> {
   static __device__ __forceinline__ void mma(float (&d)[16], uint64_t a_desc, uint64_t b_desc, int accumulate) {
     asm volatile(
@@ -163,6 +175,18 @@ struct Wgmma<128> {
 // (the only layout fp8 wgmma takes); a K step of 32 e4m3 is 32 bytes, as 16 bf16, so descriptors advance alike.
 template <int N>
 struct WgmmaFp8;
+
+template <>
+struct WgmmaFp8<16> {
+  static __device__ __forceinline__ void mma(float (&d)[8], uint64_t a_desc, uint64_t b_desc, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+        : "l"(a_desc), "l"(b_desc), "r"(accumulate));
+  }
+};
 
 template <>
 struct WgmmaFp8<32> {

@@ -12,8 +12,9 @@
 // per pair). Every GEMM0 task is taken before any GEMM1 task and a block issues all loads of a task before
 // it takes the next, so the wait cannot deadlock; at small T it overlaps GEMM1's weight stream with GEMM0.
 //
-// Each expert gets the smallest token tile that holds its rows (32, 64, else 128-row tiles),
-// so decode experts with a handful of rows cost one weight pass.
+// Each expert gets the smallest token tile that holds its rows (32, 64, else 128-row tiles; 16 in a call
+// where every expert fits 16, gemm.cuh call_tile_tokens), so decode experts with a handful of rows cost one
+// weight pass.
 //
 // Small T: a call whose GEMM0 tiles leave blocks idle (a DP decode step at c = 1: 2-4 experts per rank, 24-48
 // tiles of 512 KiB for 132 SMs; fp8 at T = 1 and EP4: 48 tasks) streams GEMM0, the critical path, at a few SMs'
@@ -140,7 +141,7 @@ __device__ __forceinline__ TaskCounts task_counts(const Params& p, const ExpertT
   const int tiles0 = t.tile_offset[p.num_local] * c.feature_tiles[0];
   // fp8: a 128-token tile's sums do not fit a split slot, so a call with one is not split (prefill-sized
   // experts: such calls rarely leave blocks idle anyway).
-  const bool splittable = !kFp8 || fp8_gemm0_splittable(tile_tokens_for(t.max_count));
+  const bool splittable = !kFp8 || fp8_gemm0_splittable(call_tile_tokens(t.max_count, t.max_count));
   const int max_splits = splittable ? p.gemm0_max_splits : 1;
   c.gemm0_splits = gemm0_splits(tiles0, static_cast<int>(gridDim.x), c.k_steps[0], max_splits);
   c.gemm0 = tiles0 * c.gemm0_splits;
@@ -182,7 +183,7 @@ __device__ __forceinline__ Task decode_task(const ExpertTable& t, int num_local,
   const int local = index - t.tile_offset[lo] * feature_tiles;
   k.expert = lo;
   k.feature_tile = local / tiles;
-  k.tile_tokens = tile_tokens_for(t.count[lo]);
+  k.tile_tokens = call_tile_tokens(t.count[lo], t.max_count);
   k.first_row = (local % tiles) * k.tile_tokens;
   const int left = t.count[lo] - k.first_row;
   k.rows = left < k.tile_tokens ? left : k.tile_tokens;
