@@ -160,17 +160,22 @@ static_assert(fp8_staging_bytes(16) / kConsumers >= 16 * kFp8StagingStride * 4 &
                   fp8_staging_bytes(128) / kConsumers >= kConsumerRows * kTokenMajorStride * 2,
               "fp8 staging: a ping-pong consumer's fp32 rows in its half, a consumer's GEMM1 bf16 rows in its half");
 
+// The kernel's dynamic shared memory (the launch sizes it: kGemmSmemBytes).
+extern __shared__ unsigned char gemm_dynamic_smem[];
+
 struct GemmSmem {
-  char* base;
   uint32_t epoch;  // for timeout reports
 
-  __device__ static GemmSmem carve(char* dynamic_smem, uint32_t epoch) {
-    const uintptr_t a = (reinterpret_cast<uintptr_t>(dynamic_smem) + 1023) & ~static_cast<uintptr_t>(1023);
-    return GemmSmem{reinterpret_cast<char*>(a), epoch};
+  // The 1024-byte aligned base, recomputed from the symbol at each use (a few instructions) rather than carried
+  // in a register: the whole-program kernel spilled a carried pointer and reloaded it from local memory in the
+  // producer's per-stage loop (fp8 1.02-1.06x without those reloads, benchmarks/kernel-notes.md).
+  __device__ char* base() const {
+    const uintptr_t a = (reinterpret_cast<uintptr_t>(gemm_dynamic_smem) + 1023) & ~static_cast<uintptr_t>(1023);
+    return reinterpret_cast<char*>(a);
   }
-  __device__ char* stage(int s, int n) const { return base + kPoolOffset + s * stage_bytes(n); }
+  __device__ char* stage(int s, int n) const { return base() + kPoolOffset + s * stage_bytes(n); }
   __device__ char* staging_base(int n, bool fp8) const {
-    return base + kPoolOffset + kStagePoolBytes - staging_bytes(n, fp8);
+    return base() + kPoolOffset + kStagePoolBytes - staging_bytes(n, fp8);
   }
   // A consumer's bf16 staging (GEMM1 rows, bf16 GEMM0 rows).
   __device__ bf16* staging(int consumer, int n, bool fp8) const {
@@ -182,20 +187,20 @@ struct GemmSmem {
     return reinterpret_cast<float*>(staging_base(n, true) + offset);
   }
   __device__ float* scales(int s) const {
-    return reinterpret_cast<float*>(base + kPoolOffset + kStagePoolBytes) + s * kScaleSlotFloats;
+    return reinterpret_cast<float*>(base() + kPoolOffset + kStagePoolBytes) + s * kScaleSlotFloats;
   }
   __device__ int64_t* row_dst(int consumer) const {
-    return reinterpret_cast<int64_t*>(base + kRowDstOffset) + consumer * kMaxTileTokens;
+    return reinterpret_cast<int64_t*>(base() + kRowDstOffset) + consumer * kMaxTileTokens;
   }
   __device__ int* row_rank(int consumer) const {
-    return reinterpret_cast<int*>(base + kRowRankOffset) + consumer * kMaxTileTokens;
+    return reinterpret_cast<int*>(base() + kRowRankOffset) + consumer * kMaxTileTokens;
   }
-  __device__ uint64_t* full(int s) const { return reinterpret_cast<uint64_t*>(base + kFullOffset) + s; }
-  __device__ uint64_t* empty(int s) const { return reinterpret_cast<uint64_t*>(base + kEmptyOffset) + s; }
-  __device__ uint64_t* task_full(int s) const { return reinterpret_cast<uint64_t*>(base + kTaskFullOffset) + s; }
-  __device__ uint64_t* task_empty(int s) const { return reinterpret_cast<uint64_t*>(base + kTaskEmptyOffset) + s; }
-  __device__ int* task_index(int s) const { return reinterpret_cast<int*>(base + kTaskIndexOffset) + s; }
-  __device__ int* split_last(int consumer) const { return reinterpret_cast<int*>(base + kSplitLastOffset) + consumer; }
+  __device__ uint64_t* full(int s) const { return reinterpret_cast<uint64_t*>(base() + kFullOffset) + s; }
+  __device__ uint64_t* empty(int s) const { return reinterpret_cast<uint64_t*>(base() + kEmptyOffset) + s; }
+  __device__ uint64_t* task_full(int s) const { return reinterpret_cast<uint64_t*>(base() + kTaskFullOffset) + s; }
+  __device__ uint64_t* task_empty(int s) const { return reinterpret_cast<uint64_t*>(base() + kTaskEmptyOffset) + s; }
+  __device__ int* task_index(int s) const { return reinterpret_cast<int*>(base() + kTaskIndexOffset) + s; }
+  __device__ int* split_last(int consumer) const { return reinterpret_cast<int*>(base() + kSplitLastOffset) + consumer; }
 
   // Thread 0, once per launch, before the first __syncthreads.
   __device__ void init_barriers() const {
@@ -222,7 +227,7 @@ __device__ __forceinline__ void pipe_wait(const Params& p, const GemmSmem& g, ui
     if ((++spins & 15) == 0) {
       if (give_up_on_abort && aborted(p)) return;
       if (globaltimer_ns() - start > p.timeout_ns) {
-        const int64_t where = reinterpret_cast<char*>(bar) - g.base;
+        const int64_t where = reinterpret_cast<char*>(bar) - g.base();
         record_timeout(p, kPhaseGemmPipeline, -1, (static_cast<int64_t>(threadIdx.x) << 32) | where, g.epoch, parity);
         return;
       }

@@ -40,7 +40,6 @@ struct BlockShared {
 
 template <bool kFp8>
 __device__ void moe_layer(const Params& p) {
-  extern __shared__ unsigned char dynamic_smem[];
   __shared__ BlockShared sh;
   BusyClock clock(p.metrics);
   const bool producer = threadIdx.x < kProducerThreads;
@@ -52,11 +51,11 @@ __device__ void moe_layer(const Params& p) {
   if (threadIdx.x == 0) {
     uint32_t e = *ws_ptr<volatile uint32_t>(p, p.ws_off.epoch) + 1;
     sh.epoch = e == 0 ? 1 : e;  // 0 is the never-signalled value
-    GemmSmem::carve(reinterpret_cast<char*>(dynamic_smem), 0).init_barriers();
+    GemmSmem{0}.init_barriers();
   }
   load_peer_table(p, sh.peers);  // includes __syncthreads
   const uint32_t epoch = sh.epoch;
-  const GemmSmem gemm = GemmSmem::carve(reinterpret_cast<char*>(dynamic_smem), epoch);
+  const GemmSmem gemm{epoch};
   if (threadIdx.x == 0) {
     bool any = false;
     for (int r = 0; r < p.world_size; ++r) any = any || !use_p2p(sh.peers, r);

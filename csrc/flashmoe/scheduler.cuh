@@ -30,57 +30,27 @@
 
 namespace flashmoe {
 
+struct TaskCounts {
+  int gemm0, total;      // tasks (GEMM0 tasks = tiles x splits)
+  int gemm0_splits;      // K splits of every GEMM0 tile this call
+  int feature_tiles[2];  // per GEMM
+  int k_steps[2];        // K steps of a whole tile, per GEMM
+};
+
 struct ExpertTable {
   int count[kMaxLocalExperts];             // rows received per local expert
   int row_offset[kMaxLocalExperts + 1];    // first activation row of each expert (prefix of counts)
   int tile_offset[kMaxLocalExperts + 1];   // first token tile of each expert (prefix of its tile counts)
   int max_count;                           // the most rows of any local expert
+  int num_local;                           // local experts (Params::num_local)
+  // The call's task counts, computed once per block: the producer and consumers decode every task from them,
+  // and held in each role's registers the whole-program kernel spilled them to local memory.
+  TaskCounts counts;
 };
 
 template <bool kFp8>
 __device__ __forceinline__ int token_tiles(int rows) {
   return rows == 0 ? 0 : ceil_div(rows, tile_tokens_for(rows));
-}
-
-// Fill the table from the workspace counters (all blocks compute the same thing): warp 0 scans the counts 32
-// experts at a time.
-template <bool kFp8>
-__device__ void build_expert_table(const Params& p, ExpertTable& t) {
-  const uint32_t* counts = ws_ptr<uint32_t>(p, p.ws_off.expert_count);
-  for (int e = threadIdx.x; e < p.num_local; e += blockDim.x) t.count[e] = static_cast<int>(__ldcg(counts + e));
-  __syncthreads();
-  if (threadIdx.x < 32) {
-    const int lane = threadIdx.x;
-    int rows_before = 0, tiles_before = 0, max_count = 0;
-    for (int base = 0; base < p.num_local; base += 32) {
-      const int e = base + lane;
-      const int count = e < p.num_local ? t.count[e] : 0;
-      max_count = max(max_count, __reduce_max_sync(0xffffffffu, static_cast<unsigned>(count)));
-      const int tiles = token_tiles<kFp8>(count);
-      int rows_incl = count, tiles_incl = tiles;
-#pragma unroll
-      for (int d = 1; d < 32; d <<= 1) {
-        const int r = __shfl_up_sync(0xffffffffu, rows_incl, d);
-        const int q = __shfl_up_sync(0xffffffffu, tiles_incl, d);
-        if (lane >= d) {
-          rows_incl += r;
-          tiles_incl += q;
-        }
-      }
-      if (e < p.num_local) {
-        t.row_offset[e] = rows_before + rows_incl - count;
-        t.tile_offset[e] = tiles_before + tiles_incl - tiles;
-      }
-      rows_before += __shfl_sync(0xffffffffu, rows_incl, 31);
-      tiles_before += __shfl_sync(0xffffffffu, tiles_incl, 31);
-    }
-    if (lane == 0) {
-      t.row_offset[p.num_local] = rows_before;
-      t.tile_offset[p.num_local] = tiles_before;
-      t.max_count = max_count;
-    }
-  }
-  __syncthreads();
 }
 
 struct Task {
@@ -102,13 +72,6 @@ constexpr int kGemm1TileFeatures = kHiddenMultiple;  // 128 hidden features
 // Intermediate features of a GEMM0 task: one weight tile (bf16), or an activation group of two (fp8: the
 // epilogue quantises each token's 128 features with one scale, so one task computes them all).
 __host__ __device__ constexpr int gemm0_task_features(bool fp8) { return fp8 ? kTileKFp8 : kGemm0TileFeatures; }
-
-struct TaskCounts {
-  int gemm0, total;      // tasks (GEMM0 tasks = tiles x splits)
-  int gemm0_splits;      // K splits of every GEMM0 tile this call
-  int feature_tiles[2];  // per GEMM
-  int k_steps[2];        // K steps of a whole tile, per GEMM
-};
 
 // Fewest K steps of a split: a shorter task spends more of itself filling the ring and in its epilogue.
 constexpr int kMinSplitKSteps = 8;
@@ -147,6 +110,49 @@ __device__ __forceinline__ TaskCounts task_counts(const Params& p, const ExpertT
   c.gemm0 = tiles0 * c.gemm0_splits;
   c.total = c.gemm0 + t.tile_offset[p.num_local] * c.feature_tiles[1];
   return c;
+}
+
+// Fill the table from the workspace counters (all blocks compute the same thing): warp 0 scans the counts 32
+// experts at a time.
+template <bool kFp8>
+__device__ void build_expert_table(const Params& p, ExpertTable& t) {
+  const uint32_t* counts = ws_ptr<uint32_t>(p, p.ws_off.expert_count);
+  for (int e = threadIdx.x; e < p.num_local; e += blockDim.x) t.count[e] = static_cast<int>(__ldcg(counts + e));
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x;
+    int rows_before = 0, tiles_before = 0, max_count = 0;
+    for (int base = 0; base < p.num_local; base += 32) {
+      const int e = base + lane;
+      const int count = e < p.num_local ? t.count[e] : 0;
+      max_count = max(max_count, __reduce_max_sync(0xffffffffu, static_cast<unsigned>(count)));
+      const int tiles = token_tiles<kFp8>(count);
+      int rows_incl = count, tiles_incl = tiles;
+#pragma unroll
+      for (int d = 1; d < 32; d <<= 1) {
+        const int r = __shfl_up_sync(0xffffffffu, rows_incl, d);
+        const int q = __shfl_up_sync(0xffffffffu, tiles_incl, d);
+        if (lane >= d) {
+          rows_incl += r;
+          tiles_incl += q;
+        }
+      }
+      if (e < p.num_local) {
+        t.row_offset[e] = rows_before + rows_incl - count;
+        t.tile_offset[e] = tiles_before + tiles_incl - tiles;
+      }
+      rows_before += __shfl_sync(0xffffffffu, rows_incl, 31);
+      tiles_before += __shfl_sync(0xffffffffu, tiles_incl, 31);
+    }
+    if (lane == 0) {
+      t.row_offset[p.num_local] = rows_before;
+      t.tile_offset[p.num_local] = tiles_before;
+      t.max_count = max_count;
+      t.num_local = p.num_local;
+      t.counts = task_counts<kFp8>(p, t);
+    }
+  }
+  __syncthreads();
 }
 
 // Completions of one (expert, GEMM0 feature tile) pair: one per consumer warpgroup per token tile.

@@ -84,7 +84,7 @@ struct ActReadiness {
 // The producer warpgroup's whole GEMM phase.
 template <bool kFp8>
 static __device__ __noinline__ void produce_tasks(const Params& p, const GemmSmem& g, const ExpertTable& table) {
-  const TaskCounts counts = task_counts<kFp8>(p, table);
+  const TaskCounts& counts = table.counts;
   const char* recv = sym_ptr<char>(p, p.sym_off.recv_tokens);
   const float* recv_scales = sym_ptr<float>(p, p.sym_off.recv_scales);
   const char* act = ws_ptr<char>(p, p.ws_off.act);
@@ -100,7 +100,7 @@ static __device__ __noinline__ void produce_tasks(const Params& p, const GemmSme
   TaskQueue queue;
   int index;
   while ((index = next_task(p, g, queue, counts.total)) >= 0) {
-    const Task task = decode_task<kFp8>(table, p.num_local, counts, index);
+    const Task task = decode_task<kFp8>(table, table.num_local, counts, index);
     trace(kTraceProducerTask, index, task.gemm << 24 | task.expert,
           task.splits << 28 | task.feature_tile << 16 | task.tile_tokens << 8 | task.rows);
     const int k_steps = task.k_steps;
@@ -353,7 +353,7 @@ template <bool kFp8>
 __device__ int64_t consume_tasks(const Params& p, const PeerTable& peers, bool any_proxied, const GemmSmem& g,
                                  const ExpertTable& table) {
   const int consumer = threadIdx.x / 128 - 1;
-  const TaskCounts counts = task_counts<kFp8>(p, table);
+  const TaskCounts& counts = table.counts;
   PipeState st;
   TaskQueue queue;
   int64_t remote_bytes = 0;
@@ -361,7 +361,7 @@ __device__ int64_t consume_tasks(const Params& p, const PeerTable& peers, bool a
   int put_tiles = 0;        // GEMM1 tiles this consumer has staged for puts (store_outputs' ring position)
   int index;
   while ((index = next_task(p, g, queue, counts.total)) >= 0) {
-    const Task task = decode_task<kFp8>(table, p.num_local, counts, index);
+    const Task task = decode_task<kFp8>(table, table.num_local, counts, index);
     const int k_steps = task.k_steps;
     if (ping_pong(task.tile_tokens, kFp8) && (ping_pong_tiles++ & 1) != consumer) {
       const int passes = kFp8 && task.gemm == 0 ? kFp8Gemm0Passes : 1;
