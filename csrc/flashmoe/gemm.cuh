@@ -330,10 +330,12 @@ __device__ __forceinline__ void produce_tile(const Params& p, const GemmSmem& g,
       if (tid < rows) scale_row = scale_at(tid);
     }
     uint64_t waited = 0;
+    trace(kTraceProducerRowsLocated);
     for (int ks = 0; ks < k_steps; ++ks) {
       const uint64_t wait_start = trace_clock();
       pipe_wait(p, g, g.empty(st.stage), st.phase() ^ 1u);
       waited += trace_clock() - wait_start;
+      if (ks == 0) trace(kTraceProducerFirstSlot);
       char* stage = g.stage(st.stage, N);
       uint64_t* full = g.full(st.stage);
       const uint32_t scales = smem_addr(g.scales(st.stage));

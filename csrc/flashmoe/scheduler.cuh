@@ -245,6 +245,7 @@ __device__ __forceinline__ int next_task(const Params& p, const GemmSmem& g, Tas
       trace(kTraceProducerIndex, static_cast<uint32_t>(index));
       *g.task_index(q.slot) = index;
       mbar_arrive(g.task_full(q.slot));  // release: the index is visible to the waiters
+      trace(kTraceProducerPublished, static_cast<uint32_t>(index));
     }
     index = __shfl_sync(0xffffffffu, index, 0);
   } else {

@@ -100,6 +100,7 @@ static __device__ __noinline__ void produce_tasks(const Params& p, const GemmSme
   TaskQueue queue;
   int index;
   while ((index = next_task(p, g, queue, counts.total)) >= 0) {
+    trace(kTraceProducerDecoding, index);
     const Task task = decode_task<kFp8>(table, table.num_local, counts, index);
     trace(kTraceProducerTask, index, task.gemm << 24 | task.expert,
           task.splits << 28 | task.feature_tile << 16 | task.tile_tokens << 8 | task.rows);

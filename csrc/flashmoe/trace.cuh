@@ -40,6 +40,10 @@ enum TraceKind : uint32_t {
   kTraceProducerLastIssue = 23,  // last stage issued; a = cycles spent waiting for empty slots in this tile
   kTraceProducerSlotFree = 24,   // next_task: the task slot is free
   kTraceProducerIndex = 25,      // next_task: the task counter's value has arrived
+  kTraceProducerPublished = 26,  // next_task: the index published to the block's other warps
+  kTraceProducerDecoding = 27,   // the task's index back in produce_tasks, before decode_task
+  kTraceProducerRowsLocated = 28,  // produce_tile (each pass): the tile's token row pointers located
+  kTraceProducerFirstSlot = 29,    // produce_tile (each pass): the first stage's slot is free
   // consumer leaders per task: a = task index
   kTraceConsumerTask = 30,
   kTraceConsumerFirstFull = 31,  // first stage of the tile landed (clock only)
