@@ -164,7 +164,8 @@ __device__ __forceinline__ uint32_t gemm0_arrivals(const ExpertTable& t, int exp
 // Flat task index -> task. Binary search for the last expert whose first task is <= index (experts without
 // rows own no task, so the one found has tiles).
 template <bool kFp8>
-__device__ __forceinline__ Task decode_task(const ExpertTable& t, int num_local, const TaskCounts& c, int index) {
+__device__ __forceinline__ Task decode_task(const ExpertTable& t, int index) {
+  const TaskCounts& c = t.counts;
   Task k;
   k.gemm = index >= c.gemm0;
   k.splits = k.gemm ? 1 : c.gemm0_splits;
@@ -179,7 +180,7 @@ __device__ __forceinline__ Task decode_task(const ExpertTable& t, int num_local,
   k.k_steps = c.k_steps[k.gemm] / k.splits;
   k.k_first = k.split * k.k_steps;
   const int feature_tiles = c.feature_tiles[k.gemm];
-  int lo = 0, hi = num_local - 1;
+  int lo = 0, hi = t.num_local - 1;
   while (lo < hi) {
     const int mid = (lo + hi + 1) >> 1;
     if (t.tile_offset[mid] * feature_tiles <= index) lo = mid;

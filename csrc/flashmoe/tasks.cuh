@@ -101,7 +101,7 @@ static __device__ __noinline__ void produce_tasks(const Params& p, const GemmSme
   int index;
   while ((index = next_task(p, g, queue, counts.total)) >= 0) {
     trace(kTraceProducerDecoding, index);
-    const Task task = decode_task<kFp8>(table, table.num_local, counts, index);
+    const Task task = decode_task<kFp8>(table, index);
     trace(kTraceProducerTask, index, task.gemm << 24 | task.expert,
           task.splits << 28 | task.feature_tile << 16 | task.tile_tokens << 8 | task.rows);
     const int k_steps = task.k_steps;
@@ -362,7 +362,7 @@ __device__ int64_t consume_tasks(const Params& p, const PeerTable& peers, bool a
   int put_tiles = 0;        // GEMM1 tiles this consumer has staged for puts (store_outputs' ring position)
   int index;
   while ((index = next_task(p, g, queue, counts.total)) >= 0) {
-    const Task task = decode_task<kFp8>(table, table.num_local, counts, index);
+    const Task task = decode_task<kFp8>(table, index);
     const int k_steps = task.k_steps;
     if (ping_pong(task.tile_tokens, kFp8) && (ping_pong_tiles++ & 1) != consumer) {
       const int passes = kFp8 && task.gemm == 0 ? kFp8Gemm0Passes : 1;
