@@ -284,23 +284,33 @@ __host__ __device__ constexpr int tile_tokens_for(int rows) {
 // decode stream wherever fewer than all SMs stream (benchmarks/kernel-notes.md).
 constexpr int kDecodeTileTokens = 16;
 
+// A decode call: its largest expert fits a 16-token tile, so every tile of the call is 16 tokens wide.
+__host__ __device__ constexpr bool decode_call(int max_rows) { return max_rows <= kDecodeTileTokens; }
+
 // The token tile of an expert with `rows` rows in a call whose largest expert has `max_rows`: 16 when every
 // expert of the call fits it, else tile_tokens_for. Per call, not per expert: a width change drains the ring
 // (PipeState::enter), and a call mixing 16- and 32-token experts would change width between most of a
 // block's tiles. Either width gives an expert of <= 16 rows one tile, so tile counts follow tile_tokens_for.
 __host__ __device__ constexpr int call_tile_tokens(int rows, int max_rows) {
-  return max_rows <= kDecodeTileTokens ? kDecodeTileTokens : tile_tokens_for(rows);
+  return decode_call(max_rows) ? kDecodeTileTokens : tile_tokens_for(rows);
 }
 static_assert(call_tile_tokens(3, 16) == 16 && call_tile_tokens(3, 17) == 32 && call_tile_tokens(100, 100) == 128,
               "tile width rule");
 
-// Runs f(std::integral_constant<int, N>{}) for a tile width N from call_tile_tokens (16, 32, 64 or 128).
-template <typename F>
+// Runs f(std::integral_constant<int, N>{}) for a tile width N from call_tile_tokens: 16 in a decode call
+// (kDecode: every expert fits a 16-token tile), else 32, 64 or 128. The GEMM phase is compiled once per kind of
+// call (moe_layer), so a decode call runs producer and consumer code that holds its width alone: the widths'
+// instantiations are most of the phase's code, and a decode call is 2-7% faster without the others in its path
+// (benchmarks/kernel-notes.md, twenty-fourth session).
+template <bool kDecode, typename F>
 __device__ __forceinline__ void with_tile_tokens(int n, F&& f) {
-  if (n == kDecodeTileTokens) f(std::integral_constant<int, kDecodeTileTokens>{});
-  else if (n == 32) f(std::integral_constant<int, 32>{});
-  else if (n == 64) f(std::integral_constant<int, 64>{});
-  else f(std::integral_constant<int, 128>{});
+  if constexpr (kDecode) {
+    f(std::integral_constant<int, kDecodeTileTokens>{});
+  } else {
+    if (n == 32) f(std::integral_constant<int, 32>{});
+    else if (n == 64) f(std::integral_constant<int, 64>{});
+    else f(std::integral_constant<int, 128>{});
+  }
 }
 
 // Producer side of one tile of `n` tokens (a call_tile_tokens width), `rows` of them valid.
@@ -310,11 +320,11 @@ __device__ __forceinline__ void with_tile_tokens(int n, F&& f) {
 // in total; fp8: and cp.async of the weight block scales to weight_scale_dst; thread 0 only); `rows_ready(ks)`
 // returns once the token rows' K step ks may be read (all producer threads; the weights of that step are
 // already on their way). All 128 producer threads call it with the same arguments.
-template <bool kFp8, typename RowAt, typename ScaleAt, typename IssueWeights, typename RowsReady>
+template <bool kFp8, bool kDecode, typename RowAt, typename ScaleAt, typename IssueWeights, typename RowsReady>
 __device__ __forceinline__ void produce_tile(const Params& p, const GemmSmem& g, PipeState& st, int n, int rows,
                                              int k_steps, RowAt row_at, ScaleAt scale_at, IssueWeights issue_weights,
                                              RowsReady rows_ready) {
-  with_tile_tokens(n, [&](auto tile) {
+  with_tile_tokens<kDecode>(n, [&](auto tile) {
     constexpr int N = decltype(tile)::value;
     st.enter<kFp8>(N);
     const int tid = threadIdx.x;  // 0..127
@@ -798,12 +808,12 @@ FLASHMOE_MAINLOOP PipeState mma_fp8_tile_to_staging(const Params& p, const GemmS
 }
 
 // `sk`: the split of a split GEMM0 tile (bf16), default: the whole tile.
-template <bool kGateUp, bool kFp8 = false>
+template <bool kGateUp, bool kFp8, bool kDecode>
 __device__ __forceinline__ Staged mma_tile_to_staging(const Params& p, const GemmSmem& g, PipeState& st,
                                                       int tile_tokens, int k_steps, const SplitK& sk = SplitK{}) {
   const int consumer = threadIdx.x / 128 - 1;
   Staged out{};
-  with_tile_tokens(tile_tokens, [&](auto tile) {
+  with_tile_tokens<kDecode>(tile_tokens, [&](auto tile) {
     constexpr int N = decltype(tile)::value;
     st.enter<kFp8>(N);
     bf16* staging = g.staging(consumer, N, kFp8);
@@ -844,11 +854,12 @@ FLASHMOE_MAINLOOP void fp8_split_sums_to_staging(const SplitK sk, float* staging
 // fp32 SwiGLU values into the fp32 staging (ping-pong: the consumer's area, all 128 columns; split: the joint
 // area, this consumer's 32 columns of each pass). Returns that staging, or null for a split task whose tile's
 // last split is another one (a split task's passes leave their sums in its slot; the last adds them up).
+template <bool kDecode>
 __device__ __forceinline__ const float* mma_fp8_gemm0_to_staging(const Params& p, const GemmSmem& g, PipeState& st,
                                                                  int tile_tokens, int k_steps, const SplitK& sk) {
   const int consumer = threadIdx.x / 128 - 1;
   const float* out = nullptr;
-  with_tile_tokens(tile_tokens, [&](auto tile) {
+  with_tile_tokens<kDecode>(tile_tokens, [&](auto tile) {
     constexpr int N = decltype(tile)::value;
     st.enter<true>(N);
     float* staging = g.fp8_staging(consumer, N);
@@ -870,9 +881,9 @@ __device__ __forceinline__ const float* mma_fp8_gemm0_to_staging(const Params& p
 
 // A consumer warpgroup passes over a ping-pong tile the other one computes: its pipeline position moves past
 // the tile's stages (and a width change meets the block barrier like everyone else).
-template <bool kFp8>
+template <bool kFp8, bool kDecode>
 __device__ __forceinline__ void skip_tile(PipeState& st, int tile_tokens, int k_steps) {
-  with_tile_tokens(tile_tokens, [&](auto tile) {
+  with_tile_tokens<kDecode>(tile_tokens, [&](auto tile) {
     st.enter<kFp8>(decltype(tile)::value);
     for (int ks = 0; ks < k_steps; ++ks) st.advance();
   });

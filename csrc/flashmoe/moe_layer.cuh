@@ -102,8 +102,13 @@ __device__ void moe_layer(const Params& p) {
   build_expert_table<kFp8>(p, sh.table);
   trace(kTraceGemmStart);
   clock.start();
-  if (producer) produce_tasks<kFp8>(p, gemm, sh.table);
-  else remote_bytes += consume_tasks<kFp8>(p, sh.peers, sh.any_proxied, gemm, sh.table);
+  if (decode_call(sh.table.max_count)) {  // every block reads the same table: all take the same branch
+    if (producer) produce_tasks<kFp8, true>(p, gemm, sh.table);
+    else remote_bytes += consume_tasks<kFp8, true>(p, sh.peers, sh.any_proxied, gemm, sh.table);
+  } else {
+    if (producer) produce_tasks<kFp8, false>(p, gemm, sh.table);
+    else remote_bytes += consume_tasks<kFp8, false>(p, sh.peers, sh.any_proxied, gemm, sh.table);
+  }
   __threadfence_system();
   clock.stop();
   __syncthreads();

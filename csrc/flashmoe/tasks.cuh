@@ -81,8 +81,8 @@ struct ActReadiness {
   }
 };
 
-// The producer warpgroup's whole GEMM phase.
-template <bool kFp8>
+// The producer warpgroup's whole GEMM phase (kDecode: a decode call, gemm.cuh with_tile_tokens).
+template <bool kFp8, bool kDecode>
 static __device__ __noinline__ void produce_tasks(const Params& p, const GemmSmem& g, const ExpertTable& table) {
   const TaskCounts& counts = table.counts;
   const char* recv = sym_ptr<char>(p, p.sym_off.recv_tokens);
@@ -125,7 +125,7 @@ static __device__ __noinline__ void produce_tasks(const Params& p, const GemmSme
       for (int pass = 0; pass < kPasses; ++pass) {
         // One 5-D box = the stage: 8 groups of (8 gate rows, the same 8 features' up rows).
         const int feature_group = (task.feature_tile * gemm0_task_features(kFp8) + pass * kGemm0TileFeatures) / 8;
-        produce_tile<kFp8>(
+        produce_tile<kFp8, kDecode>(
             p, g, st, task.tile_tokens, task.rows, k_steps, row_at, scale_at,
             [&](char* stage, uint64_t* full, int ks, uint32_t weight_scales) {
               const int k = task.k_first + ks;
@@ -146,7 +146,7 @@ static __device__ __noinline__ void produce_tasks(const Params& p, const GemmSme
       const float* weight_scale =
           kFp8 ? p.w2_scale + (static_cast<int64_t>(task.expert) * hidden_groups + task.feature_tile) * inter_groups
                : nullptr;
-      produce_tile<kFp8>(
+      produce_tile<kFp8, kDecode>(
           p, g, st, task.tile_tokens, task.rows, k_steps, [&](int r) { return act + (first + r) * inter_row_bytes; },
           [&](int r) { return act_scales + (first + r) * inter_groups; },
           [&](char* stage, uint64_t* full, int ks, uint32_t weight_scales) {
@@ -350,7 +350,7 @@ __device__ __forceinline__ void trace_mma_done(const PipeState& st) {
 // A consumer warpgroup's whole GEMM phase. Returns the bytes its tiles sent to other ranks (metrics).
 // Both warpgroups read every task; ping-pong tiles (decode widths) alternate between them in the order the
 // block takes them, split tiles are computed by both.
-template <bool kFp8>
+template <bool kFp8, bool kDecode>
 __device__ int64_t consume_tasks(const Params& p, const PeerTable& peers, bool any_proxied, const GemmSmem& g,
                                  const ExpertTable& table) {
   const int consumer = threadIdx.x / 128 - 1;
@@ -366,7 +366,7 @@ __device__ int64_t consume_tasks(const Params& p, const PeerTable& peers, bool a
     const int k_steps = task.k_steps;
     if (ping_pong(task.tile_tokens, kFp8) && (ping_pong_tiles++ & 1) != consumer) {
       const int passes = kFp8 && task.gemm == 0 ? kFp8Gemm0Passes : 1;
-      skip_tile<kFp8>(st, task.tile_tokens, passes * k_steps);
+      skip_tile<kFp8, kDecode>(st, task.tile_tokens, passes * k_steps);
       continue;
     }
     trace(kTraceConsumerTask, index);
@@ -377,11 +377,11 @@ __device__ int64_t consume_tasks(const Params& p, const PeerTable& peers, bool a
     if (task.gemm == 0) {
       if constexpr (kFp8) {
         const float* staging =
-            mma_fp8_gemm0_to_staging(p, g, st, task.tile_tokens, k_steps, split_k<true>(p, g, task, consumer));
+            mma_fp8_gemm0_to_staging<kDecode>(p, g, st, task.tile_tokens, k_steps, split_k<true>(p, g, task, consumer));
         trace_mma_done(st);
         if (staging != nullptr) store_activations_fp8(p, g, table, task, staging, consumer);
       } else {
-        const Staged staged = mma_tile_to_staging<true>(p, g, st, task.tile_tokens, k_steps, split_k<false>(p, g, task, consumer));
+        const Staged staged = mma_tile_to_staging<true, false, kDecode>(p, g, st, task.tile_tokens, k_steps, split_k<false>(p, g, task, consumer));
         trace_mma_done(st);
         if (staged.rows != nullptr) {  // the whole tile, or the last of its splits
           consumer_sync(consumer);
@@ -390,7 +390,7 @@ __device__ int64_t consume_tasks(const Params& p, const PeerTable& peers, bool a
       }
     } else {
       prefetch_row_entries(p, g, task, staged_tokens(task.tile_tokens, kFp8, consumer), consumer);
-      const Staged staged = mma_tile_to_staging<false, kFp8>(p, g, st, task.tile_tokens, k_steps);
+      const Staged staged = mma_tile_to_staging<false, kFp8, kDecode>(p, g, st, task.tile_tokens, k_steps);
       trace_mma_done(st);
       remote_bytes += store_outputs(p, peers, any_proxied, g, task, staged, consumer, put_tiles);
     }
