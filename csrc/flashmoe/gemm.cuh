@@ -339,6 +339,7 @@ __device__ __forceinline__ void produce_tile(const Params& p, const GemmSmem& g,
     if constexpr (kFp8) {
       if (tid < rows) scale_row = scale_at(tid);
     }
+    const void* const zero_fill = p.x;  // any global address: the zero-filling copies below read nothing
     uint64_t waited = 0;
     trace(kTraceProducerRowsLocated);
     for (int ks = 0; ks < k_steps; ++ks) {
@@ -360,11 +361,11 @@ __device__ __forceinline__ void produce_tile(const Params& p, const GemmSmem& g,
       for (int i = 0; i < N / 16; ++i) {
         const int r = (tid >> 3) + 16 * i;
         const uint32_t dst = tokens + r * 128 + ((chunk ^ (r & 7)) << 4);  // the 128-byte swizzle
-        const void* src = row[i] != nullptr ? row[i] + ks * kRowBytesK + chunk * 16 : static_cast<const void*>(p.x);
+        const void* src = row[i] != nullptr ? row[i] + ks * kRowBytesK + chunk * 16 : zero_fill;
         cp_async_16(dst, src, row[i] != nullptr);
       }
       if constexpr (kFp8) {  // padding rows get scale 0 (their zero rows contribute nothing either way)
-        if (tid < N) cp_async_4(scales + tid * 4, scale_row != nullptr ? scale_row + ks : p.topk_weights, scale_row != nullptr);
+        if (tid < N) cp_async_4(scales + tid * 4, scale_row != nullptr ? scale_row + ks : zero_fill, scale_row != nullptr);
       }
       mbar_arrive_on_cp_async(full);
       st.advance();

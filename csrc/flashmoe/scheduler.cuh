@@ -32,9 +32,11 @@ namespace flashmoe {
 
 struct TaskCounts {
   int gemm0, total;      // tasks (GEMM0 tasks = tiles x splits)
-  int gemm0_splits;      // K splits of every GEMM0 tile this call
+  int gemm0_splits;      // K splits of every GEMM0 tile this call (a power of two)
+  int split_shift;       // log2(gemm0_splits)
   int feature_tiles[2];  // per GEMM
   int k_steps[2];        // K steps of a whole tile, per GEMM
+  int task_k_steps[2];   // K steps of one task, per GEMM (GEMM0: of one split)
 };
 
 struct ExpertTable {
@@ -107,6 +109,9 @@ __device__ __forceinline__ TaskCounts task_counts(const Params& p, const ExpertT
   const bool splittable = !kFp8 || fp8_gemm0_splittable(call_tile_tokens(t.max_count, t.max_count));
   const int max_splits = splittable ? p.gemm0_max_splits : 1;
   c.gemm0_splits = gemm0_splits(tiles0, static_cast<int>(gridDim.x), c.k_steps[0], max_splits);
+  c.split_shift = __ffs(c.gemm0_splits) - 1;
+  c.task_k_steps[0] = c.k_steps[0] >> c.split_shift;
+  c.task_k_steps[1] = c.k_steps[1];
   c.gemm0 = tiles0 * c.gemm0_splits;
   c.total = c.gemm0 + t.tile_offset[p.num_local] * c.feature_tiles[1];
   return c;
@@ -161,38 +166,49 @@ __device__ __forceinline__ uint32_t gemm0_arrivals(const ExpertTable& t, int exp
   return static_cast<uint32_t>(kConsumers * token_tiles<kFp8>(t.count[expert]));
 }
 
-// Flat task index -> task. Binary search for the last expert whose first task is <= index (experts without
-// rows own no task, so the one found has tiles).
-template <bool kFp8>
+// Flat task index -> task. Called by whole warps (every thread of the block decodes each task): the warp finds the
+// last expert whose first task is <= index (experts without rows own no task, so the one found has tiles) as the
+// length of the prefix of experts that start at or before it, 32 experts per shared load and ballot, instead of a
+// binary search's chain of dependent loads. Splits are a power of two (shifts); in a decode call (kDecode) every
+// expert has one token tile, so a task's feature tile is its offset within the expert's tasks.
+template <bool kFp8, bool kDecode>
 __device__ __forceinline__ Task decode_task(const ExpertTable& t, int index) {
   const TaskCounts& c = t.counts;
   Task k;
   k.gemm = index >= c.gemm0;
-  k.splits = k.gemm ? 1 : c.gemm0_splits;
   if (k.gemm) {
     index -= c.gemm0;
     k.split = k.tile = 0;
+    k.splits = 1;
   } else {
-    k.split = index % k.splits;  // a tile's splits are neighbours in the queue: taken at about the same time
-    index /= k.splits;
+    k.split = index & (c.gemm0_splits - 1);  // a tile's splits are neighbours in the queue: taken at about the same time
+    index >>= c.split_shift;
     k.tile = index;
+    k.splits = c.gemm0_splits;
   }
-  k.k_steps = c.k_steps[k.gemm] / k.splits;
+  k.k_steps = c.task_k_steps[k.gemm];
   k.k_first = k.split * k.k_steps;
   const int feature_tiles = c.feature_tiles[k.gemm];
-  int lo = 0, hi = t.num_local - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (t.tile_offset[mid] * feature_tiles <= index) lo = mid;
-    else hi = mid - 1;
+  int expert = -1;
+  for (int base = 0; base < t.num_local; base += 32) {
+    const int e = base + (threadIdx.x & 31);
+    const uint32_t starts = __ballot_sync(0xffffffffu, e < t.num_local && t.tile_offset[e] * feature_tiles <= index);
+    expert += __popc(starts);
+    if (starts != 0xffffffffu) break;  // tile offsets only grow: the prefix ended in this chunk
   }
-  const int tiles = t.tile_offset[lo + 1] - t.tile_offset[lo];
-  const int local = index - t.tile_offset[lo] * feature_tiles;
-  k.expert = lo;
-  k.feature_tile = local / tiles;
-  k.tile_tokens = call_tile_tokens(t.count[lo], t.max_count);
-  k.first_row = (local % tiles) * k.tile_tokens;
-  const int left = t.count[lo] - k.first_row;
+  const int local = index - t.tile_offset[expert] * feature_tiles;
+  k.expert = expert;
+  if constexpr (kDecode) {
+    k.feature_tile = local;
+    k.tile_tokens = kDecodeTileTokens;
+    k.first_row = 0;
+  } else {
+    const int tiles = t.tile_offset[expert + 1] - t.tile_offset[expert];
+    k.feature_tile = local / tiles;
+    k.tile_tokens = call_tile_tokens(t.count[expert], t.max_count);
+    k.first_row = (local % tiles) * k.tile_tokens;
+  }
+  const int left = t.count[expert] - k.first_row;
   k.rows = left < k.tile_tokens ? left : k.tile_tokens;
   return k;
 }

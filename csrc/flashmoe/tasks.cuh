@@ -93,6 +93,15 @@ static __device__ __noinline__ void produce_tasks(const Params& p, const GemmSme
   const int64_t hidden_row_bytes = static_cast<int64_t>(p.hidden_size) * kElementBytes;
   const int64_t inter_row_bytes = static_cast<int64_t>(p.intermediate_size) * kElementBytes;
   const int hidden_groups = p.hidden_size / kFp8Group, inter_groups = p.intermediate_size / kFp8Group;
+  // What each task reads from Params, loaded once: the producer's stores (barriers, trace, the task slot) may
+  // alias Params as far as the compiler knows, so a use inside the loop would load the field again each time.
+  const int* expert_rows = expert_list(p, 0);
+  const int64_t expert_rows_stride = p.expert_rows_stride;
+  const uint32_t* gemm0_counters = gemm0_done<kFp8>(p, 0, 0);
+  const int gemm0_feature_tiles = counts.feature_tiles[0];
+  const float* const w13_scale = p.w13_scale;
+  const float* const w2_scale = p.w2_scale;
+  const int hidden_size = p.hidden_size;
   // Expert weights are read once per call: evict-first keeps them from displacing the token rows and activations
   // that every feature tile reads again (8-13% of bf16 decode time, benchmarks/kernel-notes.md).
   const uint64_t stream_policy = l2_policy_evict_first();
@@ -101,14 +110,14 @@ static __device__ __noinline__ void produce_tasks(const Params& p, const GemmSme
   int index;
   while ((index = next_task(p, g, queue, counts.total)) >= 0) {
     trace(kTraceProducerDecoding, index);
-    const Task task = decode_task<kFp8>(table, index);
+    const Task task = decode_task<kFp8, kDecode>(table, index);
     trace(kTraceProducerTask, index, task.gemm << 24 | task.expert,
           task.splits << 28 | task.feature_tile << 16 | task.tile_tokens << 8 | task.rows);
     const int k_steps = task.k_steps;
     const int reserve_step = k_steps > kReserveStages ? k_steps - kReserveStages : 0;
     if (task.gemm == 0) {
       trace(kTraceProducerReady);
-      const int* list = expert_list(p, task.expert) + task.first_row;
+      const int* list = expert_rows + task.expert * expert_rows_stride + task.first_row;
       // A split task reads K steps [k_first, k_first + k_steps) of the rows and weights.
       const auto row_at = [&](int r) {
         return recv + static_cast<int64_t>(ldcg(list + r) >> 4) * hidden_row_bytes + task.k_first * kRowBytesK;
@@ -118,7 +127,7 @@ static __device__ __noinline__ void produce_tasks(const Params& p, const GemmSme
       };
       // fp8: the gate and up rows of the task's 128 features are one weight block each (per K step).
       const float* gate_scale =
-          kFp8 ? p.w13_scale + (static_cast<int64_t>(task.expert) * 2 * inter_groups + task.feature_tile) * hidden_groups
+          kFp8 ? w13_scale + (static_cast<int64_t>(task.expert) * 2 * inter_groups + task.feature_tile) * hidden_groups
                : nullptr;
       const float* up_scale = kFp8 ? gate_scale + static_cast<int64_t>(inter_groups) * hidden_groups : nullptr;
       constexpr int kPasses = kFp8 ? kFp8Gemm0Passes : 1;
@@ -140,11 +149,12 @@ static __device__ __noinline__ void produce_tasks(const Params& p, const GemmSme
       }
     } else {
       const int64_t first = table.row_offset[task.expert] + task.first_row;
-      ActReadiness readiness{gemm0_done<kFp8>(p, task.expert, 0), gemm0_arrivals<kFp8>(table, task.expert), k_steps};
+      ActReadiness readiness{gemm0_counters + task.expert * gemm0_feature_tiles, gemm0_arrivals<kFp8>(table, task.expert),
+                             k_steps};
       // w2 viewed as [E_l H / 8][8][I] (kernel.cu): the tile's 128 rows are 16 groups of 8 from this one.
-      const int w2_group = (task.expert * p.hidden_size + task.feature_tile * kGemm1TileFeatures) / 8;
+      const int w2_group = (task.expert * hidden_size + task.feature_tile * kGemm1TileFeatures) / 8;
       const float* weight_scale =
-          kFp8 ? p.w2_scale + (static_cast<int64_t>(task.expert) * hidden_groups + task.feature_tile) * inter_groups
+          kFp8 ? w2_scale + (static_cast<int64_t>(task.expert) * hidden_groups + task.feature_tile) * inter_groups
                : nullptr;
       produce_tile<kFp8, kDecode>(
           p, g, st, task.tile_tokens, task.rows, k_steps, [&](int r) { return act + (first + r) * inter_row_bytes; },
@@ -362,7 +372,7 @@ __device__ int64_t consume_tasks(const Params& p, const PeerTable& peers, bool a
   int put_tiles = 0;        // GEMM1 tiles this consumer has staged for puts (store_outputs' ring position)
   int index;
   while ((index = next_task(p, g, queue, counts.total)) >= 0) {
-    const Task task = decode_task<kFp8>(table, index);
+    const Task task = decode_task<kFp8, kDecode>(table, index);
     const int k_steps = task.k_steps;
     if (ping_pong(task.tile_tokens, kFp8) && (ping_pong_tiles++ & 1) != consumer) {
       const int passes = kFp8 && task.gemm == 0 ? kFp8Gemm0Passes : 1;
