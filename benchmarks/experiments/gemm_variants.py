@@ -227,7 +227,7 @@ VARIANTS = {
     "valid_rows": [
         (
             "csrc/flashmoe/gemm.cuh",
-            """        const void* src = row[i] != nullptr ? row[i] + ks * kRowBytesK + chunk * 16 : static_cast<const void*>(p.x);
+            """        const void* src = row[i] != nullptr ? row[i] + ks * kRowBytesK + chunk * 16 : zero_fill;
         cp_async_16(dst, src, row[i] != nullptr);""",
             """        if (row[i] != nullptr) cp_async_16(dst, row[i] + ks * kRowBytesK + chunk * 16, true);""",
         )
@@ -331,8 +331,8 @@ VARIANTS = {
     "fp8_no_row_scales": [
         (
             "csrc/flashmoe/gemm.cuh",
-            "scale_row != nullptr ? scale_row + ks : p.topk_weights, scale_row != nullptr);",
-            "scale_row != nullptr ? scale_row + ks : p.topk_weights, false);",
+            "scale_row != nullptr ? scale_row + ks : zero_fill, scale_row != nullptr);",
+            "scale_row != nullptr ? scale_row + ks : zero_fill, false);",
         ),
     ],
     # fp8, numerically wrong, timing only: an upper bound for two consumer warpgroups sharing each 32-token tile
