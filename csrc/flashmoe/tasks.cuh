@@ -24,15 +24,23 @@
 
 namespace flashmoe {
 
+// An expert's received-row list: `lists` the workspace's expert_rows, `stride` Params::expert_rows_stride.
+__device__ __forceinline__ const int* expert_list(const int* lists, int64_t stride, int expert) {
+  return lists + static_cast<int64_t>(expert) * stride;
+}
 __device__ __forceinline__ const int* expert_list(const Params& p, int expert) {
-  return ws_ptr<int>(p, p.ws_off.expert_rows) + static_cast<int64_t>(expert) * p.expert_rows_stride;
+  return expert_list(ws_ptr<int>(p, p.ws_off.expert_rows), p.expert_rows_stride, expert);
 }
 
-// Completion counter of (local expert, GEMM0 task feature tile) = GEMM1 K step.
+// Completion counter of (local expert, GEMM0 task feature tile) = GEMM1 K step: `counters` the workspace's
+// gemm0_done, `feature_tiles` the GEMM0 task feature tiles per expert (TaskCounts::feature_tiles[0]).
+__device__ __forceinline__ uint32_t* gemm0_done(uint32_t* counters, int feature_tiles, int expert, int feature_tile) {
+  return counters + static_cast<int64_t>(expert) * feature_tiles + feature_tile;
+}
 template <bool kFp8>
 __device__ __forceinline__ uint32_t* gemm0_done(const Params& p, int expert, int feature_tile) {
-  return ws_ptr<uint32_t>(p, p.ws_off.gemm0_done) +
-         static_cast<int64_t>(expert) * (p.intermediate_size / gemm0_task_features(kFp8)) + feature_tile;
+  return gemm0_done(ws_ptr<uint32_t>(p, p.ws_off.gemm0_done), p.intermediate_size / gemm0_task_features(kFp8), expert,
+                    feature_tile);
 }
 
 // Which K steps of a GEMM1 tile have their activation rows written: bit s of `ready` is K step window + s.
@@ -95,9 +103,9 @@ static __device__ __noinline__ void produce_tasks(const Params& p, const GemmSme
   const int hidden_groups = p.hidden_size / kFp8Group, inter_groups = p.intermediate_size / kFp8Group;
   // What each task reads from Params, loaded once: the producer's stores (barriers, trace, the task slot) may
   // alias Params as far as the compiler knows, so a use inside the loop would load the field again each time.
-  const int* expert_rows = expert_list(p, 0);
+  const int* expert_rows = ws_ptr<int>(p, p.ws_off.expert_rows);
   const int64_t expert_rows_stride = p.expert_rows_stride;
-  const uint32_t* gemm0_counters = gemm0_done<kFp8>(p, 0, 0);
+  uint32_t* gemm0_counters = ws_ptr<uint32_t>(p, p.ws_off.gemm0_done);
   const int gemm0_feature_tiles = counts.feature_tiles[0];
   const float* const w13_scale = p.w13_scale;
   const float* const w2_scale = p.w2_scale;
@@ -117,7 +125,7 @@ static __device__ __noinline__ void produce_tasks(const Params& p, const GemmSme
     const int reserve_step = k_steps > kReserveStages ? k_steps - kReserveStages : 0;
     if (task.gemm == 0) {
       trace(kTraceProducerReady);
-      const int* list = expert_rows + task.expert * expert_rows_stride + task.first_row;
+      const int* list = expert_list(expert_rows, expert_rows_stride, task.expert) + task.first_row;
       // A split task reads K steps [k_first, k_first + k_steps) of the rows and weights.
       const auto row_at = [&](int r) {
         return recv + static_cast<int64_t>(ldcg(list + r) >> 4) * hidden_row_bytes + task.k_first * kRowBytesK;
@@ -149,8 +157,8 @@ static __device__ __noinline__ void produce_tasks(const Params& p, const GemmSme
       }
     } else {
       const int64_t first = table.row_offset[task.expert] + task.first_row;
-      ActReadiness readiness{gemm0_counters + task.expert * gemm0_feature_tiles, gemm0_arrivals<kFp8>(table, task.expert),
-                             k_steps};
+      ActReadiness readiness{gemm0_done(gemm0_counters, gemm0_feature_tiles, task.expert, 0),
+                             gemm0_arrivals<kFp8>(table, task.expert), k_steps};
       // w2 viewed as [E_l H / 8][8][I] (kernel.cu): the tile's 128 rows are 16 groups of 8 from this one.
       const int w2_group = (task.expert * hidden_size + task.feature_tile * kGemm1TileFeatures) / 8;
       const float* weight_scale =
