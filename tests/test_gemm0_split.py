@@ -2,10 +2,11 @@
 tile's K is split over up to FLASHMOE_GEMM0_SPLITS tasks whose fp32 sums the last one adds (scheduler.cuh
 gemm0_splits, gemm.cuh reduce_split).
 
-For shapes where the rule splits (bf16: 2 and 4 active experts at T = 1, one expert with 40 rows: ping-pong
-tiles, one expert with 100 rows: split-width tiles, each consumer its own sums; block-fp8, whose GEMM0 tasks of
-128 features are half as many: 8 active experts at T = 1, ping-pong, and one expert with 40 rows, split-width
-tiles whose two consumers decide together), the split layer and the unsplit layer (FLASHMOE_GEMM0_SPLITS=1) are
+For shapes where the rule splits (bf16: 2, 3 and 4 active experts at T = 1, the 3 in three splits of uneven K,
+one expert with 40 rows: ping-pong tiles, one expert with 100 rows: split-width tiles, each consumer its own sums;
+block-fp8, whose GEMM0 tasks of 128 features are half as many: 6 and 8 active experts at T = 1, ping-pong, the 6
+in three splits of uneven K, and one expert with 40 rows, split-width tiles whose two consumers decide together),
+the split layer and the unsplit layer (FLASHMOE_GEMM0_SPLITS=1) are
 each compared with the same-rounding reference and the fp64 oracle under the format's budgets, and the split
 layer must repeat bitwise (its sum is added in a fixed order, whichever split finishes last). The split and
 unsplit results differ only in summation order, so they are not compared bitwise. fp8 calls with a 128-token
@@ -28,16 +29,20 @@ pytestmark = [
 ]
 
 E, H, INTER = 32, 2048, 768  # Qwen3-30B-A3B per EP4 rank: 32 K steps per GEMM0 tile, up to 4 splits
-# (dtype, top_k, tokens, routing of tests/moe_inputs.py). bf16: 2 and 4 active experts (24 and 48 GEMM0 tiles,
-# 12 per expert, for 132 blocks: 4 and 2 splits; 16-token tiles); top-1 onto one expert with 40 rows (64-token ping-pong tiles) and
-# with 100 rows (128-token split-width tiles). fp8 (16 K steps of 128: at most 2 splits): 8 active experts (48
-# tasks, 16-token ping-pong: every expert of the call has one row), top-1 onto one expert with 40 rows (64-token split-width tiles); with 100 and 200
-# rows (one and two 128-token tiles, 6 and 12 GEMM0 tasks: not split).
+# (dtype, top_k, tokens, routing of tests/moe_inputs.py), for 132 blocks (H100 and H200). bf16: 2, 3 and 4 active
+# experts (24, 36 and 48 GEMM0 tiles, 12 per expert: 4, 3 and 2 splits, the 3 of 11, 11 and 10 K steps; 16-token
+# tiles); top-1 onto one expert with 40 rows (64-token ping-pong tiles) and with 100 rows (128-token split-width
+# tiles). fp8 (16 K steps of 128, two passes each: at least 4 steps a split, so up to 4 splits): 6 and 8 active
+# experts (36 and 48 tasks, 16-token ping-pong: every expert of the call has one row; 3 splits of 5, 5 and 6 K
+# steps, and 2), top-1 onto one expert with 40 rows (64-token split-width tiles, 6 tasks: 4 splits); with 100 and
+# 200 rows (one and two 128-token tiles, 6 and 12 GEMM0 tasks: not split).
 CASES = [
     ("bf16", 2, 1, "uniform"),
+    ("bf16", 3, 1, "uniform"),
     ("bf16", 4, 1, "uniform"),
     ("bf16", 1, 40, "one_expert"),
     ("bf16", 1, 100, "one_expert"),
+    ("fp8", 6, 1, "uniform"),
     ("fp8", 8, 1, "uniform"),
     ("fp8", 1, 40, "one_expert"),
     ("fp8", 1, 100, "one_expert"),

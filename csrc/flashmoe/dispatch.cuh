@@ -25,14 +25,22 @@ namespace flashmoe {
 // 3 us faster at T = 1-128 than with one load per loop turn; bf16 unchanged.
 constexpr int kRowLoadsAhead = 8;
 
-// A warp copies `vecs` 16-byte vectors of a row from `src` (read-only during the kernel) to `dst`.
+// A warp's batch of a row: lane l loads 16-byte vectors base + 32 u + l (u < kRowLoadsAhead) of the row's `vecs`
+// from `src` (read-only during the kernel); vectors past the row are zeros.
+using RowBatch = uint4[kRowLoadsAhead];
+__device__ __forceinline__ void load_row_batch(RowBatch& v, const uint4* src, int base, int vecs) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int u = 0; u < kRowLoadsAhead; ++u)
+    v[u] = base + 32 * u + lane < vecs ? __ldg(src + base + 32 * u + lane) : make_uint4(0, 0, 0, 0);
+}
+
+// A warp copies `vecs` 16-byte vectors of a row from `src` to `dst`.
 __device__ __forceinline__ void copy_row_warp(uint4* dst, const uint4* src, int vecs) {
   const int lane = threadIdx.x & 31;
   for (int base = 0; base < vecs; base += 32 * kRowLoadsAhead) {
-    uint4 v[kRowLoadsAhead];
-#pragma unroll
-    for (int u = 0; u < kRowLoadsAhead; ++u)
-      if (base + 32 * u + lane < vecs) v[u] = __ldg(src + base + 32 * u + lane);
+    RowBatch v;
+    load_row_batch(v, src, base, vecs);
 #pragma unroll
     for (int u = 0; u < kRowLoadsAhead; ++u)
       if (base + 32 * u + lane < vecs) dst[base + 32 * u + lane] = v[u];
@@ -65,8 +73,9 @@ __device__ __forceinline__ void send_meta(const Params& p, const PeerTable& peer
 
 // fp8: quantise token t's row and store it to every destination in `leaders` (lane L holds destination
 // dest and slot my_slot for leader L); proxied destinations get it through the staging rows, put afterwards.
+// `first` is the row's first batch, already loaded (dispatch_tokens).
 __device__ __forceinline__ void send_row_fp8(const Params& p, const PeerTable& peers, int t, unsigned leaders, int dest,
-                                             int my_slot) {
+                                             int my_slot, const RowBatch& first) {
   const int lane = threadIdx.x & 31;
   const int H = p.hidden_size, groups = H / kFp8Group;
   const bf16* src = p.x + static_cast<int64_t>(t) * H;
@@ -75,12 +84,14 @@ __device__ __forceinline__ void send_row_fp8(const Params& p, const PeerTable& p
   bool any_proxied = false;
   for (unsigned l = leaders; l; l &= l - 1) any_proxied |= !use_p2p(peers, __shfl_sync(0xffffffffu, dest, __ffs(l) - 1));
   constexpr int kPiece = 2 * kFp8Group;  // a warp's piece of the row: two groups, 8 elements per lane
+  static_assert(kPiece == 32 * 8, "a piece is 32 lanes' 16-byte vectors: a row batch's u-th");
   for (int ahead = 0; ahead < H; ahead += kRowLoadsAhead * kPiece) {
-    uint4 raw[kRowLoadsAhead];  // the pieces' loads first, all in flight together
+    RowBatch raw;  // the pieces' loads first, all in flight together
+    if (ahead == 0) {
 #pragma unroll
-    for (int u = 0; u < kRowLoadsAhead; ++u) {
-      const int e = ahead + u * kPiece + lane * 8;
-      raw[u] = e < H ? __ldg(reinterpret_cast<const uint4*>(src + e)) : make_uint4(0, 0, 0, 0);
+      for (int u = 0; u < kRowLoadsAhead; ++u) raw[u] = first[u];
+    } else {
+      load_row_batch(raw, reinterpret_cast<const uint4*>(src), ahead / 8, H / 8);
     }
     // Every piece quantised before any is stored: the pieces are independent, so their latency chains overlap
     // (one piece at a time left each chain exposed; the busy dispatch block took ~5 us against bf16's ~2.3).
@@ -167,6 +178,13 @@ __device__ int dispatch_tokens(const Params& p, const PeerTable& peers, int num_
   uint32_t* send_count = ws_ptr<uint32_t>(p, p.ws_off.rank_send_count);
 
   for (int t = warp_global; t < num_tokens; t += warps_total) {
+    const uint4* src_row = reinterpret_cast<const uint4*>(p.x + static_cast<int64_t>(t) * H);
+    // fp8: the row's first batch (a whole 2048-wide row) is loaded before the routing, so its loads overlap the
+    // routing's dependent loads and the slot atomic instead of following them: at T = 1 the one warp with a token
+    // is the dispatch phase's critical path. Not in bf16, whose relocatable kernel then spilled (146 -> 168
+    // registers): its batch stays live across the per-destination loop.
+    RowBatch first;
+    if constexpr (kFp8) load_row_batch(first, src_row, 0, vec_per_row);
     int e = lane < k ? __ldg(p.topk_ids + static_cast<int64_t>(t) * k + lane) : -1;
     if (e >= p.num_experts) e = -1;  // out-of-range ids are skipped, never read out of bounds
     // A slot naming the same expert as an earlier slot of this row is computed once: its metadata entry is -1
@@ -183,7 +201,6 @@ __device__ int dispatch_tokens(const Params& p, const PeerTable& peers, int num_
     // Lane i (1..k) writes metadata entry i-1, so it needs slot i-1's destination and local id.
     const int dest_prev = __shfl_up_sync(0xffffffffu, dest, 1);
     const int local_prev = __shfl_up_sync(0xffffffffu, local, 1);
-    const uint4* src_row = reinterpret_cast<const uint4*>(p.x + static_cast<int64_t>(t) * H);
     bool staged = false;
     if constexpr (kFp8) {
       // Metadata to every destination first, then the row, quantised once.
@@ -196,7 +213,7 @@ __device__ int dispatch_tokens(const Params& p, const PeerTable& peers, int num_
         ++rows_sent;
         send_meta(p, peers, r, slot, lane == 0 ? t : (dest_prev == r ? local_prev : -1));
       }
-      send_row_fp8(p, peers, t, all_leaders, dest, my_slot);
+      send_row_fp8(p, peers, t, all_leaders, dest, my_slot, first);
     } else {
       while (leaders) {
         const int L = __ffs(leaders) - 1;

@@ -18,9 +18,9 @@
 //
 // Small T: a call whose GEMM0 tiles leave blocks idle (a DP decode step at c = 1: 2-4 experts per rank, 24-48
 // tiles of 512 KiB for 132 SMs; fp8 at T = 1 and EP4: 48 tasks) streams GEMM0, the critical path, at a few SMs'
-// rate. Each GEMM0 tile's K is then split over `gemm0_splits` tasks (adjacent in the queue); each keeps its fp32
-// partial sums, and the last of a tile to finish adds them in split order and runs the epilogue (gemm.cuh
-// store_split / count_split / sum_splits).
+// rate. Each GEMM0 tile's K is then split over `gemm0_splits` tasks (adjacent in the queue, K steps as even as
+// whole steps allow); each keeps its fp32 partial sums, and the last of a tile to finish adds them in split order
+// and runs the epilogue (gemm.cuh store_split / count_split / sum_splits).
 #pragma once
 
 #include "common.cuh"
@@ -32,11 +32,11 @@ namespace flashmoe {
 
 struct TaskCounts {
   int gemm0, total;      // tasks (GEMM0 tasks = tiles x splits)
-  int gemm0_splits;      // K splits of every GEMM0 tile this call (a power of two)
-  int split_shift;       // log2(gemm0_splits)
+  int gemm0_splits;      // K splits of every GEMM0 tile this call (1..kMaxGemm0Splits)
+  int split_reciprocal;  // 2^16 / gemm0_splits + 1: a task's tile is (index * this) >> 16 (split_tile_of)
   int feature_tiles[2];  // per GEMM
   int k_steps[2];        // K steps of a whole tile, per GEMM
-  int task_k_steps[2];   // K steps of one task, per GEMM (GEMM0: of one split)
+  int split_k_first[kMaxGemm0Splits + 1];  // first K step of each split of a GEMM0 tile; [gemm0_splits] = k_steps[0]
 };
 
 struct ExpertTable {
@@ -75,26 +75,48 @@ constexpr int kGemm1TileFeatures = kHiddenMultiple;  // 128 hidden features
 // epilogue quantises each token's 128 features with one scale, so one task computes them all).
 __host__ __device__ constexpr int gemm0_task_features(bool fp8) { return fp8 ? kTileKFp8 : kGemm0TileFeatures; }
 
-// Fewest K steps of a split: a shorter task spends more of itself filling the ring and in its epilogue.
-constexpr int kMinSplitKSteps = 8;
+// Fewest stages of a split task: a shorter task spends more of itself filling the ring and in its epilogue. A
+// bf16 GEMM0 task runs one stage per K step, an fp8 one two (its two 64-feature passes).
+constexpr int kMinSplitStages = 8;
+__host__ __device__ constexpr int min_split_k_steps(bool fp8) { return fp8 ? kMinSplitStages / 2 : kMinSplitStages; }
 
-// K splits of each GEMM0 tile: the largest power of two up to `max_splits` whose tasks still all start at once
-// (tiles x splits <= blocks) and that splits K evenly into at least kMinSplitKSteps steps; 1 when the tiles
-// already fill the blocks. One wave, not more: measured at T = 1 (96 tiles for 132 blocks), two splits (192
-// tasks, 1.45 waves) were 2-4 us slower than none -- the first wave already streams at HBM rate, and the
-// second wave's splits come after it (benchmarks/kernel-notes.md). An fp8 GEMM0 task covers 128 features (two
-// passes), so the same experts give half as many tasks and leave blocks idle sooner; its K step is 128 elements
-// (H = 2048: 16 steps, at most 2 splits).
-__host__ __device__ constexpr int gemm0_splits(int tiles, int blocks, int k_steps, int max_splits) {
-  int s = 1;
-  while (2 * s <= max_splits && tiles * 2 * s <= blocks && k_steps % (2 * s) == 0 && k_steps / (2 * s) >= kMinSplitKSteps)
-    s *= 2;
-  return s;
+// K splits of each GEMM0 tile: as many as still all start at once (tiles x splits <= blocks), up to `max_splits`
+// and as long as each split keeps min_split_k_steps; 1 when the tiles already fill the blocks. Any count, not
+// only powers of two: an fp8 Qwen3-30B EP4 rank at T = 1 has ~7 active experts, 42 tiles, which 2 splits leave on
+// 84 of 132 SMs and 3 put on 126 (each SM streams at a few tens of GB/s, so the phase's rate is the streaming
+// SMs'; 6-7 active experts: the GEMM0 phase 1.3-1.6 us shorter, benchmarks/kernel-notes.md). One wave, not
+// more: measured at T = 1 (96 tiles for 132 blocks), two splits (192 tasks, 1.45 waves) were 2-4 us slower than
+// none -- the first wave already streams at HBM rate, and the second wave's splits come after it
+// (benchmarks/kernel-notes.md).
+__host__ __device__ constexpr int gemm0_splits(int tiles, int blocks, int k_steps, int min_steps, int max_splits) {
+  int s = tiles > 0 ? blocks / tiles : 1;
+  if (s > max_splits) s = max_splits;
+  if (s > k_steps / min_steps) s = k_steps / min_steps;
+  return s < 1 ? 1 : s;
 }
-static_assert(gemm0_splits(96, 132, 32, 4) == 1 && gemm0_splits(48, 132, 32, 4) == 2 && gemm0_splits(24, 132, 32, 4) == 4 &&
-                  gemm0_splits(24, 132, 16, 4) == 2 && gemm0_splits(24, 132, 32, 1) == 1 && gemm0_splits(12, 132, 32, 4) == 4 &&
-                  gemm0_splits(48, 132, 16, 4) == 2 && gemm0_splits(48, 132, 56, 4) == 2,
+static_assert(gemm0_splits(96, 132, 32, 8, 4) == 1 && gemm0_splits(48, 132, 32, 8, 4) == 2 &&
+                  gemm0_splits(24, 132, 32, 8, 4) == 4 && gemm0_splits(36, 132, 32, 8, 4) == 3 &&
+                  gemm0_splits(24, 132, 32, 8, 1) == 1 && gemm0_splits(12, 132, 32, 8, 4) == 4 &&
+                  gemm0_splits(42, 132, 16, 4, 4) == 3 && gemm0_splits(48, 132, 16, 4, 4) == 2 &&
+                  gemm0_splits(12, 132, 16, 4, 4) == 4 && gemm0_splits(12, 132, 12, 8, 4) == 1 &&
+                  gemm0_splits(48, 132, 56, 4, 4) == 2 && gemm0_splits(200, 132, 16, 4, 4) == 1,
               "GEMM0 split rule");
+
+// First K step of split `split` of `splits` over k_steps steps: whole steps, as even as they go (16 over 3: 5, 5, 6).
+__host__ __device__ constexpr int split_k_first(int split, int splits, int k_steps) { return split * k_steps / splits; }
+static_assert(split_k_first(1, 3, 16) == 5 && split_k_first(2, 3, 16) == 10 && split_k_first(3, 3, 16) == 16,
+              "split K ranges");
+
+// (tile, split) of a GEMM0 task index: the tile by a multiply with TaskCounts::split_reciprocal instead of a
+// division. Exact wherever the scheduler splits: index < tiles x splits <= blocks, far below 2^16 / splits.
+__host__ __device__ constexpr int split_reciprocal(int splits) { return (1 << 16) / splits + 1; }
+__host__ __device__ constexpr int split_tile_of(int index, int splits, int reciprocal) {
+  return splits == 1 ? index : (index * reciprocal) >> 16;
+}
+static_assert(split_tile_of(125, 3, split_reciprocal(3)) == 41 && split_tile_of(126, 3, split_reciprocal(3)) == 42 &&
+                  split_tile_of(127, 4, split_reciprocal(4)) == 31 && split_tile_of(128, 4, split_reciprocal(4)) == 32 &&
+                  split_tile_of(4095, 3, split_reciprocal(3)) == 1365 && split_tile_of(100000, 1, split_reciprocal(1)) == 100000,
+              "split tile of a task index");
 
 template <bool kFp8>
 __device__ __forceinline__ TaskCounts task_counts(const Params& p, const ExpertTable& t) {
@@ -108,10 +130,10 @@ __device__ __forceinline__ TaskCounts task_counts(const Params& p, const ExpertT
   // experts: such calls rarely leave blocks idle anyway).
   const bool splittable = !kFp8 || fp8_gemm0_splittable(call_tile_tokens(t.max_count, t.max_count));
   const int max_splits = splittable ? p.gemm0_max_splits : 1;
-  c.gemm0_splits = gemm0_splits(tiles0, static_cast<int>(gridDim.x), c.k_steps[0], max_splits);
-  c.split_shift = __ffs(c.gemm0_splits) - 1;
-  c.task_k_steps[0] = c.k_steps[0] >> c.split_shift;
-  c.task_k_steps[1] = c.k_steps[1];
+  c.gemm0_splits = gemm0_splits(tiles0, static_cast<int>(gridDim.x), c.k_steps[0], min_split_k_steps(kFp8), max_splits);
+  c.split_reciprocal = split_reciprocal(c.gemm0_splits);
+  for (int s = 0; s <= kMaxGemm0Splits; ++s)
+    c.split_k_first[s] = split_k_first(s < c.gemm0_splits ? s : c.gemm0_splits, c.gemm0_splits, c.k_steps[0]);
   c.gemm0 = tiles0 * c.gemm0_splits;
   c.total = c.gemm0 + t.tile_offset[p.num_local] * c.feature_tiles[1];
   return c;
@@ -169,8 +191,8 @@ __device__ __forceinline__ uint32_t gemm0_arrivals(const ExpertTable& t, int exp
 // Flat task index -> task. Called by whole warps (every thread of the block decodes each task): the warp finds the
 // last expert whose first task is <= index (experts without rows own no task, so the one found has tiles) as the
 // length of the prefix of experts that start at or before it, 32 experts per shared load and ballot, instead of a
-// binary search's chain of dependent loads. Splits are a power of two (shifts); in a decode call (kDecode) every
-// expert has one token tile, so a task's feature tile is its offset within the expert's tasks.
+// binary search's chain of dependent loads. A split's tile is a multiply (split_tile_of); in a decode call
+// (kDecode) every expert has one token tile, so a task's feature tile is its offset within the expert's tasks.
 template <bool kFp8, bool kDecode>
 __device__ __forceinline__ Task decode_task(const ExpertTable& t, int index) {
   const TaskCounts& c = t.counts;
@@ -180,14 +202,17 @@ __device__ __forceinline__ Task decode_task(const ExpertTable& t, int index) {
     index -= c.gemm0;
     k.split = k.tile = 0;
     k.splits = 1;
+    k.k_first = 0;
+    k.k_steps = c.k_steps[1];
   } else {
-    k.split = index & (c.gemm0_splits - 1);  // a tile's splits are neighbours in the queue: taken at about the same time
-    index >>= c.split_shift;
-    k.tile = index;
+    // A tile's splits are neighbours in the queue: taken at about the same time.
+    k.tile = split_tile_of(index, c.gemm0_splits, c.split_reciprocal);
+    k.split = index - k.tile * c.gemm0_splits;
+    index = k.tile;
     k.splits = c.gemm0_splits;
+    k.k_first = c.split_k_first[k.split];
+    k.k_steps = c.split_k_first[k.split + 1] - k.k_first;
   }
-  k.k_steps = c.task_k_steps[k.gemm];
-  k.k_first = k.split * k.k_steps;
   const int feature_tiles = c.feature_tiles[k.gemm];
   int expert = -1;
   for (int base = 0; base < t.num_local; base += 32) {
