@@ -7,18 +7,27 @@
 
 namespace flashmoe {
 
-// Busy time of a block (work, not waiting), read by thread 0 only.
-struct BusyClock {
-  bool on;
-  uint64_t busy = 0, since = 0;
-  __device__ explicit BusyClock(bool enabled) : on(enabled && threadIdx.x == 0) {}
-  __device__ void start() {
-    if (on) since = globaltimer_ns();
-  }
-  __device__ void stop() {
-    if (on) busy += globaltimer_ns() - since;
-  }
+// What a block counts for its metrics record, in shared memory rather than in registers: in the whole-program
+// fp8 kernel, values live from dispatch to the end take registers from every phase between, the GEMM phase's
+// included. Kept in registers they spilled (208 bytes of spill stores, 92 now), and the fp8 layer was 1-3% slower
+// (benchmarks/kernel-notes.md, twenty-fifth session). Zeroed before the first __syncthreads; the time fields are
+// thread 0's.
+struct BlockMetrics {
+  unsigned long long busy_ns, since_ns;  // busy time of the block (work, not waiting), the open interval's start
+  unsigned long long rows_sent;          // token-rank rows this block dispatched
+  unsigned long long remote_bytes;       // bytes this block sent to other ranks
+  __device__ void zero() { busy_ns = since_ns = rows_sent = remote_bytes = 0; }
 };
+__device__ __forceinline__ void busy_start(const Params& p, BlockMetrics& m) {
+  if (p.metrics && threadIdx.x == 0) m.since_ns = globaltimer_ns();
+}
+__device__ __forceinline__ void busy_stop(const Params& p, BlockMetrics& m) {
+  if (p.metrics && threadIdx.x == 0) m.busy_ns += globaltimer_ns() - m.since_ns;
+}
+// Any thread: add to a count (shared-memory atomics; nothing with metrics off or a zero count).
+__device__ __forceinline__ void count_metric(const Params& p, unsigned long long& field, int64_t value) {
+  if (p.metrics && value != 0) atomicAdd(&field, static_cast<unsigned long long>(value));
+}
 
 __device__ __forceinline__ int64_t* ring_record(const Params& p, uint32_t epoch) {
   return p.metrics_ring + static_cast<int64_t>(epoch % kRingSlots) * kRingFields;

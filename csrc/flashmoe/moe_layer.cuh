@@ -36,12 +36,12 @@ struct BlockShared {
   ExpertTable table;
   uint32_t epoch;
   bool any_proxied;  // some peer is reached through NVSHMEM puts
+  BlockMetrics metrics;
 };
 
 template <bool kFp8>
 __device__ void moe_layer(const Params& p) {
   __shared__ BlockShared sh;
-  BusyClock clock(p.metrics);
   const bool producer = threadIdx.x < kProducerThreads;
 
   trace_begin();
@@ -52,6 +52,7 @@ __device__ void moe_layer(const Params& p) {
     uint32_t e = *ws_ptr<volatile uint32_t>(p, p.ws_off.epoch) + 1;
     sh.epoch = e == 0 ? 1 : e;  // 0 is the never-signalled value
     GemmSmem{0}.init_barriers();
+    sh.metrics.zero();
   }
   load_peer_table(p, sh.peers);  // includes __syncthreads
   const uint32_t epoch = sh.epoch;
@@ -65,15 +66,14 @@ __device__ void moe_layer(const Params& p) {
   trace(kTraceStart, epoch);
 
   // 1. Dispatch.
-  clock.start();
+  busy_start(p, sh.metrics);
   const int warp_rows_sent = dispatch_tokens<kFp8>(p, sh.peers, tokens_in);
-  const int rows_sent = (threadIdx.x & 31) == 0 ? warp_rows_sent : 0;  // every lane counted the warp's rows
+  if ((threadIdx.x & 31) == 0) count_metric(p, sh.metrics.rows_sent, warp_rows_sent);  // every lane counted them
   __threadfence_system();  // our NVLink stores are visible before any signal that follows the barrier
-  clock.stop();
+  busy_stop(p, sh.metrics);
   trace(kTraceDispatchDone);
   grid_barrier(p, 1, epoch, phase_end_field(p, epoch, kRingDispatchEndNs));
   trace(kTraceBarrier1Done);
-  int64_t remote_bytes = 0;
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     // Puts issued by any block of this PE are delivered (NVLink stores were fenced above). Only with proxied
     // peers: quiet goes through NVSHMEM's proxy channel, which costs tens of microseconds and varies with the
@@ -84,16 +84,17 @@ __device__ void moe_layer(const Params& p) {
       const uint32_t n = __ldcg(send_count + r);
       send_signal(p, sh.peers, sym_ptr<uint64_t>(p, p.sym_off.dispatch_signal) + p.rank, r,
                   (static_cast<uint64_t>(epoch) << 32) | n);
-      if (r != p.rank) remote_bytes += static_cast<int64_t>(n) * (dispatch_row_bytes<kFp8>(p) + meta_stride(p.top_k) * 4);
+      if (r != p.rank)
+        count_metric(p, sh.metrics.remote_bytes, static_cast<int64_t>(n) * (dispatch_row_bytes<kFp8>(p) + meta_stride(p.top_k) * 4));
     }
   }
 
   // 2. Receive.
   wait_dispatch(p, epoch, sh.recv);
   trace(kTraceReceiveWaitDone);
-  clock.start();
+  busy_start(p, sh.metrics);
   build_expert_lists(p, sh.recv);
-  clock.stop();
+  busy_stop(p, sh.metrics);
   trace(kTraceReceiveDone);
   grid_barrier(p, 2, epoch, phase_end_field(p, epoch, kRingReceiveEndNs));
   trace(kTraceBarrier2Done);
@@ -101,16 +102,16 @@ __device__ void moe_layer(const Params& p) {
   // 3-4. GEMM0 (+ SwiGLU) and GEMM1 into the owners' combine buffers, one task queue (scheduler.cuh).
   build_expert_table<kFp8>(p, sh.table);
   trace(kTraceGemmStart);
-  clock.start();
+  busy_start(p, sh.metrics);
   if (decode_call(sh.table.max_count)) {  // every block reads the same table: all take the same branch
     if (producer) produce_tasks<kFp8, true>(p, gemm, sh.table);
-    else remote_bytes += consume_tasks<kFp8, true>(p, sh.peers, sh.any_proxied, gemm, sh.table);
+    else count_metric(p, sh.metrics.remote_bytes, consume_tasks<kFp8, true>(p, sh.peers, sh.any_proxied, gemm, sh.table));
   } else {
     if (producer) produce_tasks<kFp8, false>(p, gemm, sh.table);
-    else remote_bytes += consume_tasks<kFp8, false>(p, sh.peers, sh.any_proxied, gemm, sh.table);
+    else count_metric(p, sh.metrics.remote_bytes, consume_tasks<kFp8, false>(p, sh.peers, sh.any_proxied, gemm, sh.table));
   }
   __threadfence_system();
-  clock.stop();
+  busy_stop(p, sh.metrics);
   __syncthreads();
   trace(kTraceGemmDone);
   grid_barrier(p, 3, epoch, phase_end_field(p, epoch, kRingGemm1EndNs));
@@ -139,21 +140,16 @@ __device__ void moe_layer(const Params& p) {
   // 4. Combine.
   wait_combine(p, epoch);
   trace(kTraceCombineWaitDone);
-  clock.start();
+  busy_start(p, sh.metrics);
   combine_tokens(p, padding);
-  clock.stop();
+  busy_stop(p, sh.metrics);
   trace(kTraceEnd);
 
   if (p.metrics) {
-    __shared__ unsigned long long block_rows, block_bytes;
-    if (threadIdx.x == 0) block_rows = block_bytes = 0;
-    __syncthreads();
-    if (rows_sent) atomicAdd(&block_rows, static_cast<unsigned long long>(rows_sent));
-    if (remote_bytes) atomicAdd(&block_bytes, static_cast<unsigned long long>(remote_bytes));
-    __syncthreads();
+    __syncthreads();  // every thread's counts are in
     if (threadIdx.x == 0)
-      publish_metrics(p, epoch, clock.busy, static_cast<int64_t>(block_rows), static_cast<int64_t>(block_bytes),
-                      blockIdx.x == 0 ? sh.recv.total : 0, tokens_in);
+      publish_metrics(p, epoch, sh.metrics.busy_ns, static_cast<int64_t>(sh.metrics.rows_sent),
+                      static_cast<int64_t>(sh.metrics.remote_bytes), blockIdx.x == 0 ? sh.recv.total : 0, tokens_in);
   }
 }
 
