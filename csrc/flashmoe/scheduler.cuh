@@ -61,7 +61,7 @@ struct Task {
   int feature_tile;  // output feature tile
   int first_row;     // first row of the token tile within the expert's rows
   int rows;          // valid rows in the token tile (1..tile_tokens)
-  int tile_tokens;   // 32, 64 or 128
+  int tile_tokens;   // 16, 32, 64 or 128 (gemm.cuh call_tile_tokens)
   int k_first;       // first K step of this task (split GEMM0 tiles), else 0
   int k_steps;       // K steps of this task
   int split;         // which of `splits` K ranges of its tile (GEMM0), else 0 of 1
@@ -76,9 +76,11 @@ constexpr int kGemm1TileFeatures = kHiddenMultiple;  // 128 hidden features
 __host__ __device__ constexpr int gemm0_task_features(bool fp8) { return fp8 ? kTileKFp8 : kGemm0TileFeatures; }
 
 // Fewest stages of a split task: a shorter task spends more of itself filling the ring and in its epilogue. A
-// bf16 GEMM0 task runs one stage per K step, an fp8 one two (its two 64-feature passes).
+// bf16 GEMM0 task runs one stage per K step, an fp8 one a stage per K step of each of its passes.
 constexpr int kMinSplitStages = 8;
-__host__ __device__ constexpr int min_split_k_steps(bool fp8) { return fp8 ? kMinSplitStages / 2 : kMinSplitStages; }
+__host__ __device__ constexpr int min_split_k_steps(bool fp8) {
+  return fp8 ? kMinSplitStages / kFp8Gemm0Passes : kMinSplitStages;
+}
 
 // K splits of each GEMM0 tile: as many as still all start at once (tiles x splits <= blocks), up to `max_splits`
 // and as long as each split keeps min_split_k_steps; 1 when the tiles already fill the blocks. Any count, not
