@@ -5,9 +5,9 @@
 //   [n0, n0 + n1)  GEMM1 tasks: (expert, feature tile of 128 hidden features, token tile)
 //
 // each expert-major, then feature tile, then token tile fastest (the token tiles of one weight tile run at
-// the same time on neighbouring blocks, so weights stream from HBM once per call). Blocks take tasks from
-// one counter per call as they finish earlier ones, so GEMM0 and GEMM1 run without a grid barrier between
-// them and no block idles while another still has a queue. A GEMM1 task streams its weights at once; the
+// the same time on neighbouring blocks, so weights stream from HBM once per call). Block b's first task is
+// task b; later ones come from one counter per call as blocks finish earlier ones, so GEMM0 and GEMM1 run
+// without a grid barrier between them and no block idles while another still has a queue. A GEMM1 task streams its weights at once; the
 // activation rows of its K step s wait for the GEMM0 tiles of (expert, feature tile s) (a completion counter
 // per pair). Every GEMM0 task is taken before any GEMM1 task and a block issues all loads of a task before
 // it takes the next, so the wait cannot deadlock; at small T it overlaps GEMM1's weight stream with GEMM0.
@@ -248,6 +248,7 @@ struct TaskQueue {
   uint32_t phase = 0;
   uint32_t reserved = 0;      // producer thread 0: an index taken ahead by reserve_task
   bool has_reserved = false;
+  bool took_first = false;    // the block's first index is its own (reserve_task)
   __device__ void advance() {
     if (++slot == kTaskSlots) {
       slot = 0;
@@ -262,10 +263,13 @@ struct TaskQueue {
 constexpr int kReserveStages = 4;
 
 // Producer thread 0: take the next index now; next_task publishes it. Its value is first read there, so the
-// thread does not wait for the atomic here.
+// thread does not wait for the atomic here. Block b's first index is b, no atomic: the first task of every
+// block then starts without a round trip to the counter that all blocks would take at once; the counter hands
+// out the indices from gridDim.x on.
 __device__ __forceinline__ void reserve_task(const Params& p, TaskQueue& q) {
   if (!q.has_reserved) {
-    q.reserved = atomicAdd(ws_ptr<uint32_t>(p, p.ws_off.task_counter), 1u);
+    q.reserved = q.took_first ? atomicAdd(ws_ptr<uint32_t>(p, p.ws_off.task_counter), 1u) + gridDim.x : blockIdx.x;
+    q.took_first = true;
     q.has_reserved = true;
   }
 }
