@@ -278,6 +278,10 @@ __device__ __forceinline__ void reserve_task(const Params& p, TaskQueue& q) {
 // block in the same order, so all threads take the same branches (the GEMM phases have block barriers).
 // Every wait is uniform within a warp: a lane spinning on a barrier that another lane of its own warp must
 // release would hold that lane back (divergent paths of a warp share its issue slots).
+// A task is published only after the block's previous one is issued (every stage claimed): the consumers' wait
+// for a stage's previous release (gemm.cuh wait_stage_full) tells that phase from the one two back only then (a
+// decode producer that published earlier computed wrong tiles and faulted: benchmarks/experiments/diffs/refuted/
+// 2026-11-24-decode-producer-halves.diff).
 // The wait for a published index ignores the abort flag: thread 0 publishes promptly even after an abort
 // (its own waits give up then), and a thread that read a stale index would leave the block's threads on
 // different tasks.
