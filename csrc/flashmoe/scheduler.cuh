@@ -7,10 +7,11 @@
 // each expert-major, then feature tile, then token tile fastest (the token tiles of one weight tile run at
 // the same time on neighbouring blocks, so weights stream from HBM once per call). Block b's first task is
 // task b; later ones come from one counter per call as blocks finish earlier ones, so GEMM0 and GEMM1 run
-// without a grid barrier between them and no block idles while another still has a queue. A GEMM1 task streams its weights at once; the
-// activation rows of its K step s wait for the GEMM0 tiles of (expert, feature tile s) (a completion counter
-// per pair). Every GEMM0 task is taken before any GEMM1 task and a block issues all loads of a task before
-// it takes the next, so the wait cannot deadlock; at small T it overlaps GEMM1's weight stream with GEMM0.
+// without a grid barrier between them and no block idles while another still has a queue. A GEMM1 task
+// streams its weights at once; the activation rows of its K step s wait for the GEMM0 tiles of (expert,
+// feature tile s) (a completion counter per pair). Every GEMM0 task is taken before any GEMM1 task and a
+// block issues all loads of a task before it takes the next, so the wait cannot deadlock; at small T it
+// overlaps GEMM1's weight stream with GEMM0.
 //
 // Each expert gets the smallest token tile that holds its rows (32, 64, else 128-row tiles; 16 in a call
 // where every expert fits 16, gemm.cuh call_tile_tokens), so decode experts with a handful of rows cost one
