@@ -273,8 +273,9 @@ std::string build_info() {
   const std::string widths = std::to_string(kDecodeTileTokens) + "/32/64/128";
   return std::string("flashmoe megakernel: wgmma swap-AB, ") + std::to_string(kTileWeightRows) + " weight rows x " +
          widths + " tokens x " + std::to_string(kTileK) + " k bf16 (" + stages(false) + " TMA stages) or x " + widths +
-         " tokens x " + std::to_string(kTileKFp8) + " k block-fp8 (" + stages(true) +
-         " stages; 128 tokens token-major), dynamic task queue, stress_delay_ns=" +
+         " tokens x " + std::to_string(kTileKFp8) + " k block-fp8 (" + stages(true) + " stages, " +
+         std::to_string(stage_k_steps(kDecodeTileTokens, true)) + " k steps each at " +
+         std::to_string(kDecodeTileTokens) + " tokens; 128 tokens token-major), dynamic task queue, stress_delay_ns=" +
          std::to_string(FLASHMOE_STRESS_DELAY_NS) +
          (FLASHMOE_TRACE ? ", trace" : "") + (kDevicePuts ? ", device puts" : ", NVLink stores only") + ", NVSHMEM " +
          std::to_string(NVSHMEM_VENDOR_MAJOR_VERSION) + "." + std::to_string(NVSHMEM_VENDOR_MINOR_VERSION) + "." +

@@ -59,12 +59,16 @@ SHAPES = {
     "dsv3/ep4": (64, 8, 7168, 2048),
     "small": (8, 2, 1024, 256),
     "odd": (16, 4, 1152, 320),
+    # fp8: 9 and 11 K steps (an fp8 decode stage carries two: odd counts end on a zero step)
+    "odd-k": (16, 4, 1152, 1408),
 }
 CHECKS = [  # shape, tokens, routing
     ("small", 7, "uniform"),
     ("small", 0, "uniform"),
     ("odd", 300, "one_expert"),
     ("odd", 77, "zipf"),
+    ("odd", 2, "uniform"),  # decode tiles, an odd K-step count (bf16: 5 GEMM1 steps; fp8 skips the shape)
+    ("odd-k", 2, "uniform"),  # decode tiles, fp8 GEMM0 of 9 K steps and GEMM1 of 11: both end on a zero step
     ("qwen3-30b/ep4", 1, "uniform"),  # 96 GEMM0 tiles for 132 blocks: not split (one wave, scheduler.cuh)
     ("qwen3-30b/ep4", 40, "one_expert"),  # 12 tiles of 64 tokens: 4 splits, ping-pong
     ("qwen3-30b/ep4", 100, "one_expert"),  # 12 tiles of 128 tokens: 4 splits, both consumers

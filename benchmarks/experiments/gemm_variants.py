@@ -155,8 +155,8 @@ def _l2_prefetch_ahead(distance):
         ),
         (
             "csrc/flashmoe/tasks.cuh",
-            "tma_load_5d(stage, &p.tmap_w13, full, k * tile_k(kFp8), 0, 0, feature_group, task.expert, stream_policy);",
-            "tma_load_5d(stage, &p.tmap_w13, full, k * tile_k(kFp8), 0, 0, feature_group, task.expert, stream_policy);\n"
+            "                          task.expert, stream_policy);",
+            "                          task.expert, stream_policy);\n"
             f"              if (ks + {distance} < k_steps)\n"
             f"                tma_prefetch_l2_5d(&p.tmap_w13, (k + {distance}) * tile_k(kFp8), 0, 0, feature_group, task.expert);",
         ),
@@ -216,8 +216,8 @@ VARIANTS = {
         ),
         (
             "csrc/flashmoe/gemm.cuh",
-            "        cp_async_16(dst, src, row[i] != nullptr);",
-            "        (void)dst; (void)src;",
+            "          cp_async_16(dst, load ? row[i] + (ks + j) * kRowBytesK + chunk * 16 : zero_fill, load);",
+            "          (void)dst;",
         ),
         ("csrc/flashmoe/gemm.cuh", "      mbar_arrive_on_cp_async(full);\n", ""),
     ],
@@ -227,9 +227,8 @@ VARIANTS = {
     "valid_rows": [
         (
             "csrc/flashmoe/gemm.cuh",
-            """        const void* src = row[i] != nullptr ? row[i] + ks * kRowBytesK + chunk * 16 : zero_fill;
-        cp_async_16(dst, src, row[i] != nullptr);""",
-            """        if (row[i] != nullptr) cp_async_16(dst, row[i] + ks * kRowBytesK + chunk * 16, true);""",
+            "          cp_async_16(dst, load ? row[i] + (ks + j) * kRowBytesK + chunk * 16 : zero_fill, load);",
+            "          if (load) cp_async_16(dst, row[i] + (ks + j) * kRowBytesK + chunk * 16, true);",
         )
     ],
     # Only the producer's first warp loads token rows and arrives (33 arrivals per stage).
@@ -251,18 +250,18 @@ VARIANTS = {
         ),
         (
             "csrc/flashmoe/gemm.cuh",
-            """    for (int ks = 0; ks < k_steps; ++ks) {
+            """    for (int ks = 0; ks < k_steps; ks += kSteps) {
       const uint64_t wait_start = trace_clock();""",
-            """    for (int ks = 0; ks < k_steps; ++ks) {
+            """    for (int ks = 0; ks < k_steps; ks += kSteps) {
       if (tid >= 32) { st.advance(); continue; }
       const uint64_t wait_start = trace_clock();""",
         ),
         (
             "csrc/flashmoe/gemm.cuh",
-            """      for (int i = 0; i < N / 16; ++i) {
-        const int r = (tid >> 3) + 16 * i;""",
-            """      for (int i = 0; i < N / 4; ++i) {
-        const int r = (tid >> 3) + 4 * i;""",
+            """        for (int i = 0; i < N / 16; ++i) {
+          const int r = (tid >> 3) + 16 * i;""",
+            """        for (int i = 0; i < N / 4; ++i) {
+          const int r = (tid >> 3) + 4 * i;""",
         ),
     ],
     # 128-token bf16 tiles with a 4-stage ring instead of 5 (timing only): whether a wide tile's rate follows the
@@ -319,20 +318,24 @@ VARIANTS = {
     "fp8_no_weight_scales": [
         (
             "csrc/flashmoe/tasks.cuh",
-            "cp_async_4(weight_scales, gate_scale + k, true);\n                cp_async_4(weight_scales + 4, up_scale + k, true);",
-            "cp_async_4(weight_scales, gate_scale + k, false);\n                cp_async_4(weight_scales + 4, up_scale + k, false);",
+            "cp_async_4(weight_scales, gate_scale + (real ? k : 0), real);\n"
+            "                cp_async_4(weight_scales + 4, up_scale + (real ? k : 0), real);",
+            "cp_async_4(weight_scales, gate_scale + (real ? k : 0), false);\n"
+            "                cp_async_4(weight_scales + 4, up_scale + (real ? k : 0), false);",
         ),
         (
             "csrc/flashmoe/tasks.cuh",
-            "cp_async_4(weight_scales, weight_scale + ks, true);\n              cp_async_4(weight_scales + 4, weight_scale + ks, true);",
-            "cp_async_4(weight_scales, weight_scale + ks, false);\n              cp_async_4(weight_scales + 4, weight_scale + ks, false);",
+            "cp_async_4(weight_scales, weight_scale + (real ? ks : 0), real);\n"
+            "              cp_async_4(weight_scales + 4, weight_scale + (real ? ks : 0), real);",
+            "cp_async_4(weight_scales, weight_scale + (real ? ks : 0), false);\n"
+            "              cp_async_4(weight_scales + 4, weight_scale + (real ? ks : 0), false);",
         ),
     ],
     "fp8_no_row_scales": [
         (
             "csrc/flashmoe/gemm.cuh",
-            "scale_row != nullptr ? scale_row + ks : zero_fill, scale_row != nullptr);",
-            "scale_row != nullptr ? scale_row + ks : zero_fill, false);",
+            "load ? scale_row + ks + j : zero_fill, load);",
+            "load ? scale_row + ks + j : zero_fill, false);",
         ),
     ],
     # fp8, numerically wrong, timing only: an upper bound for two consumer warpgroups sharing each 32-token tile
@@ -354,9 +357,9 @@ VARIANTS = {
         ),
         (
             "csrc/flashmoe/gemm.cuh",
-            "    st.advance();\n  } while (++ks < k_steps);\n}\n\n// Tokens of a token-major",
+            "    st.advance();\n  } while (++ks < k_steps);\n}\n\n// consume_tile_fp8 for a decode",
             "    st.advance();\n    if (interleave && ks + 1 < k_steps) {\n      st.advance();\n      ++ks;\n    }\n"
-            "  } while (++ks < k_steps);\n}\n\n// Tokens of a token-major",
+            "  } while (++ks < k_steps);\n}\n\n// consume_tile_fp8 for a decode",
         ),
     ],
     # Trace probes (read with --trace; timing unchanged but for two clock reads per stage): the producer's
@@ -369,21 +372,23 @@ VARIANTS = {
         _PRODUCER_WAIT_UNTIMED,
         (
             "csrc/flashmoe/gemm.cuh",
-            "      if (tid == 0) {\n        mbar_arrive_expect_tx(full, kStageWeightBytes);\n"
-            "        issue_weights(stage, full, ks, scales + kWeightScaleSlot * 4);\n      }",
+            "      if (tid == 0) {\n        mbar_arrive_expect_tx(full, kSteps * kStageWeightBytes);\n",
             "      if (tid == 0) {\n        const uint64_t wait_start = trace_clock();\n"
-            "        mbar_arrive_expect_tx(full, kStageWeightBytes);\n"
-            "        issue_weights(stage, full, ks, scales + kWeightScaleSlot * 4);\n"
-            "        waited += trace_clock() - wait_start;\n      }",
+            "        mbar_arrive_expect_tx(full, kSteps * kStageWeightBytes);\n",
+        ),
+        (
+            "csrc/flashmoe/gemm.cuh",
+            "                        kSteps == 1 || ks + j < k_steps);\n      }",
+            "                        kSteps == 1 || ks + j < k_steps);\n        waited += trace_clock() - wait_start;\n      }",
         ),
     ],
     "probe_row_issue": [
         _PRODUCER_WAIT_UNTIMED,
         (
             "csrc/flashmoe/gemm.cuh",
-            "      const uint32_t tokens = smem_addr(stage + kStageWeightBytes);\n",
-            "      const uint64_t wait_start = trace_clock();\n"
-            "      const uint32_t tokens = smem_addr(stage + kStageWeightBytes);\n",
+            "      __syncwarp();  // warp 0 whole again before its next wait (see next_task)\n",
+            "      __syncwarp();  // warp 0 whole again before its next wait (see next_task)\n"
+            "      const uint64_t wait_start = trace_clock();\n",
         ),
         (
             "csrc/flashmoe/gemm.cuh",
@@ -479,16 +484,18 @@ VARIANTS = {
         ),
         (
             "csrc/flashmoe/gemm.cuh",
+            "      if (k0 + kPerPromotion == kTileKFp8 / 32) {\n        __syncwarp();\n"
             "        if (lane == 0) mbar_arrive(g.empty(st.stage), kReleases);\n      }",
+            "      if (k0 + kPerPromotion == kTileKFp8 / 32) {\n        __syncwarp();\n"
             "        if (lane == 0 && ks > 0) mbar_arrive(g.empty(st.stage == 0 ? st.num_stages - 1 : st.stage - 1), kReleases);\n      }",
         ),
         (
             "csrc/flashmoe/gemm.cuh",
-            "    st.advance();\n  } while (++ks < k_steps);\n}\n\n// Named barrier",
+            "    st.advance();\n  } while (++ks < k_steps);\n}\n\n// consume_tile_fp8 for a decode",
             "    st.advance();\n  } while (++ks < k_steps);\n  wgmma_wait<0>();\n"
             "  for (int h = 0; h < kHalves; ++h) fence_accumulators(acc[h]);\n  __syncwarp();\n"
             "  if (lane == 0) mbar_arrive(g.empty(st.stage == 0 ? st.num_stages - 1 : st.stage - 1), kReleases);\n"
-            "}\n\n// Named barrier",
+            "}\n\n// consume_tile_fp8 for a decode",
         ),
     ],
     "fp8_no_wgmma": [

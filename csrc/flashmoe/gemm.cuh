@@ -17,8 +17,8 @@
 //                   epilogue and next-task bookkeeping, so some warpgroup always drains the ring and the SM
 //                   keeps streaming across tile boundaries. Wide tiles (N = 128) are split: 64 rows each.
 //
-// fp8 tiles stream 128-byte rows too (128 e4m3 of K per stage, one scale block), so a stage has the bytes and
-// swizzle of a bf16 one. Each stage also carries its scales (a float per token row, the weight block's), and
+// fp8 tiles stream 128-byte rows too (128 e4m3 of K per K step, one scale block), so a step has the bytes and
+// swizzle of a bf16 one (a decode stage carries two steps, stage_k_steps). Each stage also carries its scales (a float per token row, the weight block's), and
 // the consumers promote: a K step's wgmmas accumulate into fresh registers, which are added to the fp32
 // accumulators times (token scale x weight scale) -- the tensor core's fp8 accumulation keeps ~13 bits, so
 // partial sums longer than one block would lose precision (DeepGEMM does the same). The promotion registers
@@ -105,13 +105,32 @@ static_assert(kTileK == kInterMultiple, "GEMM1 K step");
 #define FLASHMOE_MAINLOOP static __device__ __forceinline__
 #endif
 
+// Decode tiles: an expert with a handful of rows (EP4 decode: 1-8) fills 16 token columns no worse than 32, and
+// the narrower wgmma, token loads and promotion shorten each stage of the SM's own work, which bounds the
+// decode stream wherever fewer than all SMs stream (benchmarks/kernel-notes.md).
+constexpr int kDecodeTileTokens = 16;
+
+// K steps per pipeline stage. An fp8 decode stage carries two, so the per-stage work of both sides (the producer's
+// slot wait, expect-tx and arrive; the consumer's wait, proxy fence, drain and release) comes once per 32 KiB of
+// weights, and a consumer issues the second step's wgmmas before it drains and promotes the first's. A tile with
+// an odd number of K steps (a K split, I = 1408 in fp8) ends on a stage whose second step is zeros: its weights
+// come from a TMA box past the tensor's K (zero-filled, no memory read), its token rows and scales are
+// zero-filled. The consumers then run the same straight-line stage every time (a stage of a run-time step
+// count put their wgmmas on a divergent path, which ptxas serialises: C7520).
+// bf16 decode stages keep one K step: two measured 0.97-1.05x of one (benchmarks/kernel-notes.md).
+__host__ __device__ constexpr int stage_k_steps(int n, bool fp8) { return fp8 && n == kDecodeTileTokens ? 2 : 1; }
+// Stages a tile of width n and k_steps K steps takes from the ring.
+__host__ __device__ constexpr int tile_stages(int n, bool fp8, int k_steps) {
+  return (k_steps + stage_k_steps(n, fp8) - 1) / stage_k_steps(n, fp8);
+}
+
 // Dynamic shared memory, carved from a 1024-byte aligned base (the 128-byte swizzle needs it):
 //   [barriers | task slots | row tables]  4 KiB
 //   [stage pool ........................ | epilogue staging]
-// A stage holds 16 KiB of weights and N x 128 B of token rows, so its size follows the tile's token count N:
-// decode tiles (N = 16) get 10 stages (160 KiB of weights in flight per SM), N = 32 9, 64 7, 128 5. The epilogue
-// staging (N rows per consumer) sits at the top of the pool. Tiles of another N re-carve the pool after a
-// full drain (see PipeState::enter).
+// A stage holds 16 KiB of weights and N x 128 B of token rows per K step ([weights of each step | token rows of
+// each step]), so its size follows the tile's token count N: decode tiles (N = 16, two K steps) get 5 stages
+// (160 KiB of weights in flight per SM), N = 32 9, 64 7, 128 5. The epilogue staging (N rows per consumer) sits
+// at the top of the pool. Tiles of another N re-carve the pool after a full drain (see PipeState::enter).
 constexpr int kMaxStages = 10;
 constexpr int kTaskSlots = 4;  // task indices published by the producer, not yet read by every thread
 constexpr int kGemmSmemBytes = 218 * 1024;  // + ~7 KiB static (scheduler tables) stays within 227 KiB
@@ -126,31 +145,45 @@ constexpr int kRowRankOffset = kRowDstOffset + kConsumers * kMaxTileTokens * 8; 
 constexpr int kPoolOffset = 4096;
 constexpr int kPoolBytes = kGemmSmemBytes - 1024 /* alignment slack of the dynamic base */ - kPoolOffset;
 // Scales of each stage (fp8): a float per token row, then the weight block's (GEMM0: gate, up), at the pool's
-// top. They complete on the stage's `full` barrier with its token rows.
+// top. They complete on the stage's `full` barrier with its token rows. A two-step stage (N <= 64) keeps step
+// j's token scales at 64 j and its weight block's at kWeightScaleSlot + 2 j.
 constexpr int kScaleSlotFloats = kMaxTileTokens + 8;
 constexpr int kWeightScaleSlot = kMaxTileTokens;
+__host__ __device__ constexpr int token_scale_slot(int step) { return step * (kMaxTileTokens / 2); }
+__host__ __device__ constexpr int weight_scale_slot(int step) { return kWeightScaleSlot + 2 * step; }
+static_assert(stage_k_steps(kDecodeTileTokens, true) <= 2 && kDecodeTileTokens <= kMaxTileTokens / 2 &&
+                  weight_scale_slot(1) + 2 <= kScaleSlotFloats,
+              "a two-step stage's scales fit its slot");
 constexpr int kScaleAreaBytes = kMaxStages * kScaleSlotFloats * 4;
 constexpr int kStagePoolBytes = kPoolBytes - kScaleAreaBytes;  // stages + staging
 static_assert(kSplitLastOffset + kConsumers * 4 <= kRowDstOffset, "barrier area");
 static_assert(kSplitRowGroups == kConsumers, "split partial sums: one row group per consumer warpgroup");
 static_assert(kRowRankOffset + kConsumers * kMaxTileTokens * 4 <= kPoolOffset, "row tables");
 
-__host__ __device__ constexpr int stage_bytes(int n) { return kStageWeightBytes + n * kRowBytesK; }
+__host__ __device__ constexpr int stage_bytes(int n, bool fp8) {
+  return stage_k_steps(n, fp8) * (kStageWeightBytes + n * kRowBytesK);
+}
+// Step j's weights and token rows within a stage of width n.
+__host__ __device__ constexpr int stage_weights_offset(int step) { return step * kStageWeightBytes; }
+__host__ __device__ constexpr int stage_tokens_offset(int n, bool fp8, int step) {
+  return stage_k_steps(n, fp8) * kStageWeightBytes + step * n * kRowBytesK;
+}
 __host__ __device__ constexpr int staging_bytes(int n, bool fp8) {
   return fp8 ? fp8_staging_bytes(n) : kConsumers * n * staging_stride(n, fp8) * 2;
 }
 __host__ __device__ constexpr int stages_for(int n, bool fp8) {
-  const int fit = (kStagePoolBytes - staging_bytes(n, fp8)) / stage_bytes(n);
+  const int fit = (kStagePoolBytes - staging_bytes(n, fp8)) / stage_bytes(n, fp8);
   return fit < kMaxStages ? fit : kMaxStages;
 }
 static_assert(stages_for(16, false) == 10 && stages_for(32, false) == 9 && stages_for(64, false) == 7 &&
                   stages_for(128, false) == 5,
               "bf16 stage counts per tile width");
-static_assert(stages_for(16, true) == 10 && stages_for(32, true) == 8 && stages_for(64, true) == 7 &&
+static_assert(stages_for(16, true) == 5 && stages_for(32, true) == 8 && stages_for(64, true) == 7 &&
                   stages_for(128, true) == 4,
               "fp8 stage counts per tile width");
-static_assert(stage_bytes(16) % 1024 == 0 && stage_bytes(32) % 1024 == 0 && stage_bytes(64) % 1024 == 0 &&
-                  stage_bytes(128) % 1024 == 0,
+static_assert(stage_bytes(16, false) % 1024 == 0 && stage_bytes(16, true) % 1024 == 0 &&
+                  stage_bytes(32, false) % 1024 == 0 && stage_bytes(64, false) % 1024 == 0 &&
+                  stage_bytes(128, false) % 1024 == 0,
               "stages stay 1024-byte aligned");
 static_assert(fp8_staging_bytes(16) / kConsumers >= 16 * kFp8StagingStride * 4 &&
                   fp8_staging_bytes(16) / kConsumers >= 16 * staging_stride(16, true) * 2 &&
@@ -173,7 +206,7 @@ struct GemmSmem {
     const uintptr_t a = (reinterpret_cast<uintptr_t>(gemm_dynamic_smem) + 1023) & ~static_cast<uintptr_t>(1023);
     return reinterpret_cast<char*>(a);
   }
-  __device__ char* stage(int s, int n) const { return base() + kPoolOffset + s * stage_bytes(n); }
+  __device__ char* stage(int s, int n, bool fp8) const { return base() + kPoolOffset + s * stage_bytes(n, fp8); }
   __device__ char* staging_base(int n, bool fp8) const {
     return base() + kPoolOffset + kStagePoolBytes - staging_bytes(n, fp8);
   }
@@ -243,7 +276,7 @@ __device__ __forceinline__ void consumers_sync() {
 }
 
 // Position in the stage ring for the current tile width; producer and consumers advance identical copies
-// (same tiles, same K steps). Each barrier's parity is tracked on its own, since the ring length changes
+// (same tiles, same stages). Each barrier's parity is tracked on its own, since the ring length changes
 // with the tile width.
 struct PipeState {
   int stage = 0;
@@ -279,11 +312,6 @@ __host__ __device__ constexpr int tile_tokens_for(int rows) {
   return rows <= 32 ? 32 : rows <= 64 ? 64 : kMaxTileTokens;
 }
 
-// Decode tiles: an expert with a handful of rows (EP4 decode: 1-8) fills 16 token columns no worse than 32, and
-// the narrower wgmma, token loads and promotion shorten each stage of the SM's own work, which bounds the
-// decode stream wherever fewer than all SMs stream (benchmarks/kernel-notes.md).
-constexpr int kDecodeTileTokens = 16;
-
 // A decode call: its largest expert fits a 16-token tile, so every tile of the call is 16 tokens wide.
 __host__ __device__ constexpr bool decode_call(int max_rows) { return max_rows <= kDecodeTileTokens; }
 
@@ -315,17 +343,20 @@ __device__ __forceinline__ void with_tile_tokens(int n, F&& f) {
 
 // Producer side of one tile of `n` tokens (a call_tile_tokens width), `rows` of them valid.
 // `row_at(r)` is the start of token row r (r < rows; the rest are zero-filled), K step ks its bytes
-// [128 ks, 128 ks + 128); fp8: `scale_at(r)` is row r's scales, one per K step. `issue_weights(stage,
-// full_barrier, ks, weight_scale_dst)` issues the TMA loads of K step ks's 128 weight rows (kStageWeightBytes
-// in total; fp8: and cp.async of the weight block scales to weight_scale_dst; thread 0 only); `rows_ready(ks)`
-// returns once the token rows' K step ks may be read (all producer threads; the weights of that step are
-// already on their way). All 128 producer threads call it with the same arguments.
+// [128 ks, 128 ks + 128); fp8: `scale_at(r)` is row r's scales, one per K step. `issue_weights(weights,
+// full_barrier, ks, weight_scale_dst, real)` issues the TMA loads of K step ks's 128 weight rows
+// (kStageWeightBytes in total; fp8: and cp.async of the weight block scales to weight_scale_dst; thread 0 only),
+// or, where `real` is false (a zero step past k_steps, see stage_k_steps), a box past the tensor's K and
+// zero-filled scales. `rows_ready(ks)` returns once the token rows' K step ks may be read (all producer threads;
+// the weights of that step are already on their way). All 128 producer threads call it with the same
+// arguments. A stage takes stage_k_steps(n, kFp8) K steps.
 template <bool kFp8, bool kDecode, typename RowAt, typename ScaleAt, typename IssueWeights, typename RowsReady>
 __device__ __forceinline__ void produce_tile(const Params& p, const GemmSmem& g, PipeState& st, int n, int rows,
                                              int k_steps, RowAt row_at, ScaleAt scale_at, IssueWeights issue_weights,
                                              RowsReady rows_ready) {
   with_tile_tokens<kDecode>(n, [&](auto tile) {
     constexpr int N = decltype(tile)::value;
+    constexpr int kSteps = stage_k_steps(N, kFp8);
     st.enter<kFp8>(N);
     const int tid = threadIdx.x;  // 0..127
     const int chunk = tid & 7;    // 16-byte chunk of the 128-byte row
@@ -342,30 +373,38 @@ __device__ __forceinline__ void produce_tile(const Params& p, const GemmSmem& g,
     const void* const zero_fill = p.x;  // any global address: the zero-filling copies below read nothing
     uint64_t waited = 0;
     trace(kTraceProducerRowsLocated);
-    for (int ks = 0; ks < k_steps; ++ks) {
+    for (int ks = 0; ks < k_steps; ks += kSteps) {
       const uint64_t wait_start = trace_clock();
       pipe_wait(p, g, g.empty(st.stage), st.phase() ^ 1u);
       waited += trace_clock() - wait_start;
       if (ks == 0) trace(kTraceProducerFirstSlot);
-      char* stage = g.stage(st.stage, N);
+      char* stage = g.stage(st.stage, N, kFp8);
       uint64_t* full = g.full(st.stage);
       const uint32_t scales = smem_addr(g.scales(st.stage));
       if (tid == 0) {
-        mbar_arrive_expect_tx(full, kStageWeightBytes);
-        issue_weights(stage, full, ks, scales + kWeightScaleSlot * 4);
+        mbar_arrive_expect_tx(full, kSteps * kStageWeightBytes);
+#pragma unroll
+        for (int j = 0; j < kSteps; ++j)
+          issue_weights(stage + stage_weights_offset(j), full, ks + j, scales + weight_scale_slot(j) * 4,
+                        kSteps == 1 || ks + j < k_steps);
       }
       __syncwarp();  // warp 0 whole again before its next wait (see next_task)
-      rows_ready(ks);
-      const uint32_t tokens = smem_addr(stage + kStageWeightBytes);
 #pragma unroll
-      for (int i = 0; i < N / 16; ++i) {
-        const int r = (tid >> 3) + 16 * i;
-        const uint32_t dst = tokens + r * 128 + ((chunk ^ (r & 7)) << 4);  // the 128-byte swizzle
-        const void* src = row[i] != nullptr ? row[i] + ks * kRowBytesK + chunk * 16 : zero_fill;
-        cp_async_16(dst, src, row[i] != nullptr);
-      }
-      if constexpr (kFp8) {  // padding rows get scale 0 (their zero rows contribute nothing either way)
-        if (tid < N) cp_async_4(scales + tid * 4, scale_row != nullptr ? scale_row + ks : zero_fill, scale_row != nullptr);
+      for (int j = 0; j < kSteps; ++j) {
+        const bool real = kSteps == 1 || ks + j < k_steps;  // else the zero step of an odd tile
+        if (real) rows_ready(ks + j);
+        const uint32_t tokens = smem_addr(stage + stage_tokens_offset(N, kFp8, j));
+#pragma unroll
+        for (int i = 0; i < N / 16; ++i) {
+          const int r = (tid >> 3) + 16 * i;
+          const uint32_t dst = tokens + r * 128 + ((chunk ^ (r & 7)) << 4);  // the 128-byte swizzle
+          const bool load = real && row[i] != nullptr;
+          cp_async_16(dst, load ? row[i] + (ks + j) * kRowBytesK + chunk * 16 : zero_fill, load);
+        }
+        if constexpr (kFp8) {  // padding rows get scale 0 (their zero rows contribute nothing either way)
+          const bool load = real && scale_row != nullptr;
+          if (tid < N) cp_async_4(scales + (token_scale_slot(j) + tid) * 4, load ? scale_row + ks + j : zero_fill, load);
+        }
       }
       mbar_arrive_on_cp_async(full);
       st.advance();
@@ -418,7 +457,7 @@ __device__ __forceinline__ void consume_tile(const Params& p, const GemmSmem& g,
   int ks = 0;
   do {  // k_steps >= 1 (K is a multiple of kTileK); a do-loop keeps ptxas's wgmma pipeline analysis simple
     wait_stage_full<kHalves == 2>(p, g, st, ks);
-    const uint32_t stage = smem_addr(g.stage(st.stage, N));
+    const uint32_t stage = smem_addr(g.stage(st.stage, N, false));
     const uint64_t b = sw128_desc(stage + kStageWeightBytes);
     wgmma_fence();
 #pragma unroll
@@ -448,6 +487,7 @@ template <int N, int kHalves = ping_pong(N, true) ? 2 : 1>
 __device__ __forceinline__ void consume_tile_fp8(const Params& p, const GemmSmem& g, PipeState& st, int k_steps,
                                                  float (&acc)[kHalves][N / 2]) {
   static_assert(!token_major(N, true), "128-token fp8 tiles: consume_tile_fp8_token_major");
+  static_assert(stage_k_steps(N, true) == 1, "two-step stages: consume_tile_fp8_two_steps");
   const int consumer = threadIdx.x / 128 - 1;
   const int lane = threadIdx.x & 31;
   constexpr uint32_t kReleases = kHalves == 2 ? 2 : 1;
@@ -459,7 +499,7 @@ __device__ __forceinline__ void consume_tile_fp8(const Params& p, const GemmSmem
   int ks = 0;
   do {
     wait_stage_full<kHalves == 2>(p, g, st, ks);
-    const uint32_t stage = smem_addr(g.stage(st.stage, N));
+    const uint32_t stage = smem_addr(g.stage(st.stage, N, true));
     const uint64_t b = sw128_desc(stage + kStageWeightBytes);
     const float* scales = g.scales(st.stage);
     const float weight_lo = scales[kWeightScaleSlot], weight_hi = scales[kWeightScaleSlot + 1];
@@ -503,6 +543,88 @@ __device__ __forceinline__ void consume_tile_fp8(const Params& p, const GemmSmem
   } while (++ks < k_steps);
 }
 
+// consume_tile_fp8 for a decode tile's stages of two K steps (stage_k_steps): a stage's wgmmas are issued at once,
+// one commit group per promotion (kGroups: its K steps x promotions per step), then each group is drained and
+// promoted in order, so the first step's promotion overlaps the second step's wgmmas. The scales are read before
+// the stage is released (its slot is refilled then). Its own function: with one loop for both stage sizes the
+// whole-program kernel was 0.5-4% slower at prefill than with the one-step loop kept as it was (kernel-notes.md).
+template <int N, int kHalves = ping_pong(N, true) ? 2 : 1>
+__device__ __forceinline__ void consume_tile_fp8_two_steps(const Params& p, const GemmSmem& g, PipeState& st,
+                                                           int k_steps, float (&acc)[kHalves][N / 2]) {
+  constexpr int kSteps = stage_k_steps(N, true);
+  static_assert(kSteps == 2 && kHalves == 2, "ping-pong decode tiles only; one-step stages: consume_tile_fp8");
+  const int lane = threadIdx.x & 31;
+  constexpr uint32_t kReleases = 2;  // the owner's 4 warps, twice each
+  constexpr uint32_t first_row = 0;  // all 128 weight rows
+#pragma unroll
+  for (int h = 0; h < kHalves; ++h)
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) acc[h][i] = 0.f;
+  constexpr int kPerPromotion = kFp8PromoteK / 32;     // wgmma k32 per group
+  constexpr int kPromotions = kTileKFp8 / kFp8PromoteK;  // groups per K step
+  constexpr int kGroups = kSteps * kPromotions;
+  int ks = 0;
+  do {
+    wait_stage_full<kHalves == 2>(p, g, st, ks);
+    const uint32_t stage = smem_addr(g.stage(st.stage, N, true));
+    // The stage's scales into registers now: the slot is refilled once the stage is released, before promotion.
+    const float* scales = g.scales(st.stage);
+    float weight_lo[kSteps], weight_hi[kSteps];
+    float token[kSteps][N / 4];  // this thread's token columns 8 j + 2 (l % 4) (+1)
+#pragma unroll
+    for (int step = 0; step < kSteps; ++step) {
+      weight_lo[step] = scales[weight_scale_slot(step)];
+      weight_hi[step] = scales[weight_scale_slot(step) + 1];
+      const float* token_scales = scales + token_scale_slot(step);
+#pragma unroll
+      for (int j = 0; j < N / 8; ++j) {
+        token[step][2 * j] = token_scales[8 * j + 2 * (lane & 3)];
+        token[step][2 * j + 1] = token_scales[8 * j + 2 * (lane & 3) + 1];
+      }
+    }
+    float partial[kGroups][kHalves][N / 2];
+    wgmma_fence();
+#pragma unroll
+    for (int group = 0; group < kGroups; ++group) {
+      const int step = group / kPromotions, k0 = group % kPromotions * kPerPromotion;
+      const uint64_t b = sw128_desc(stage + stage_tokens_offset(N, true, step));
+#pragma unroll
+      for (int h = 0; h < kHalves; ++h) {
+        const uint64_t a = sw128_desc(stage + stage_weights_offset(step) + (first_row + h * kConsumerRows) * 128);
+#pragma unroll
+        for (int kk = k0; kk < k0 + kPerPromotion; ++kk)
+          WgmmaFp8<N>::mma(partial[group][h], a + 2 * kk, b + 2 * kk, kk > k0);
+      }
+      wgmma_commit();
+    }
+#pragma unroll
+    for (int group = 0; group < kGroups; ++group) {
+      wgmma_wait_pending(kGroups - 1 - group);  // known once unrolled
+#pragma unroll
+      for (int h = 0; h < kHalves; ++h) fence_accumulators(partial[group][h]);
+      if (group == kGroups - 1) {  // the stage's last wgmma is done: release it
+        __syncwarp();
+        if (lane == 0) mbar_arrive(g.empty(st.stage), kReleases);
+      }
+      const int step = group / kPromotions;
+      const float lo = weight_lo[step], hi = weight_hi[step];
+      const float* t = token[step];
+#pragma unroll
+      for (int h = 0; h < kHalves; ++h)
+#pragma unroll
+        for (int j = 0; j < N / 8; ++j) {
+          float* d = acc[h] + 4 * j;
+          const float* q = partial[group][h] + 4 * j;
+          d[0] = fmaf(t[2 * j] * lo, q[0], d[0]);
+          d[1] = fmaf(t[2 * j + 1] * lo, q[1], d[1]);
+          d[2] = fmaf(t[2 * j] * hi, q[2], d[2]);
+          d[3] = fmaf(t[2 * j + 1] * hi, q[3], d[3]);
+        }
+    }
+    st.advance();
+  } while ((ks += kSteps) < k_steps);
+}
+
 // Tokens of a token-major consumer thread's accumulators: tile rows token_major_row() and + 8 (wgmma m64nN's
 // fp32 layout: warp w, lane l holds rows 16 w + l/4 (+8) and columns 8 j + 2 (l % 4) (+1)).
 __device__ __forceinline__ int token_major_row() {
@@ -525,7 +647,7 @@ __device__ __forceinline__ void consume_tile_fp8_token_major(const Params& p, co
   int ks = 0;
   do {
     wait_stage_full<false>(p, g, st, ks);
-    const uint32_t stage = smem_addr(g.stage(st.stage, N));
+    const uint32_t stage = smem_addr(g.stage(st.stage, N, true));
     const uint64_t a = sw128_desc(stage + kStageWeightBytes + consumer * kConsumerRows * 128);  // the tokens
     const uint64_t b = sw128_desc(stage);                                                        // the weights
     const float* scales = g.scales(st.stage);
@@ -792,7 +914,8 @@ FLASHMOE_MAINLOOP PipeState mma_fp8_tile_to_staging(const Params& p, const GemmS
   } else {
     constexpr int kHalves = ping_pong(N, true) ? 2 : 1;
     float acc[kHalves][N / 2];
-    consume_tile_fp8<N>(p, g, st, k_steps, acc);
+    if constexpr (stage_k_steps(N, true) == 2) consume_tile_fp8_two_steps<N>(p, g, st, k_steps, acc);
+    else consume_tile_fp8<N>(p, g, st, k_steps, acc);
     if constexpr (kGateUp) {
       if (sk.slots != nullptr) {
         store_split(acc, sk, pass);
@@ -883,10 +1006,11 @@ __device__ __forceinline__ const float* mma_fp8_gemm0_to_staging(const Params& p
 // A consumer warpgroup passes over a ping-pong tile the other one computes: its pipeline position moves past
 // the tile's stages (and a width change meets the block barrier like everyone else).
 template <bool kFp8, bool kDecode>
-__device__ __forceinline__ void skip_tile(PipeState& st, int tile_tokens, int k_steps) {
+__device__ __forceinline__ void skip_tile(PipeState& st, int tile_tokens, int passes, int k_steps) {
   with_tile_tokens<kDecode>(tile_tokens, [&](auto tile) {
-    st.enter<kFp8>(decltype(tile)::value);
-    for (int ks = 0; ks < k_steps; ++ks) st.advance();
+    constexpr int N = decltype(tile)::value;
+    st.enter<kFp8>(N);
+    for (int s = passes * tile_stages(N, kFp8, k_steps); s > 0; --s) st.advance();
   });
 }
 

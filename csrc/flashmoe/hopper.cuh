@@ -108,6 +108,16 @@ template <int N>
 __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
+// wgmma_wait for a count known only after unrolling (the asm operand must be a literal); above 3 it waits for 3,
+// which is stricter and still correct.
+__device__ __forceinline__ void wgmma_wait_pending(int pending) {
+  switch (pending) {
+    case 0: wgmma_wait<0>(); break;
+    case 1: wgmma_wait<1>(); break;
+    case 2: wgmma_wait<2>(); break;
+    default: wgmma_wait<3>(); break;
+  }
+}
 // Keep the compiler from moving accumulator accesses across the asynchronous wgmma.
 template <int R>
 __device__ __forceinline__ void fence_accumulators(float (&d)[R]) {

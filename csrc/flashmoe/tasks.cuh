@@ -144,12 +144,14 @@ static __device__ __noinline__ void produce_tasks(const Params& p, const GemmSme
         const int feature_group = (task.feature_tile * gemm0_task_features(kFp8) + pass * kGemm0TileFeatures) / 8;
         produce_tile<kFp8, kDecode>(
             p, g, st, task.tile_tokens, task.rows, k_steps, row_at, scale_at,
-            [&](char* stage, uint64_t* full, int ks, uint32_t weight_scales) {
+            [&](char* stage, uint64_t* full, int ks, uint32_t weight_scales, bool real) {
+              // A zero step (produce_tile) loads the box at K = hidden: all out of bounds, zero-filled.
               const int k = task.k_first + ks;
-              tma_load_5d(stage, &p.tmap_w13, full, k * tile_k(kFp8), 0, 0, feature_group, task.expert, stream_policy);
+              tma_load_5d(stage, &p.tmap_w13, full, real ? k * tile_k(kFp8) : hidden_size, 0, 0, feature_group,
+                          task.expert, stream_policy);
               if constexpr (kFp8) {
-                cp_async_4(weight_scales, gate_scale + k, true);
-                cp_async_4(weight_scales + 4, up_scale + k, true);
+                cp_async_4(weight_scales, gate_scale + (real ? k : 0), real);
+                cp_async_4(weight_scales + 4, up_scale + (real ? k : 0), real);
               }
               if (pass == kPasses - 1 && ks == reserve_step) reserve_task(p, queue);
             },
@@ -167,11 +169,12 @@ static __device__ __noinline__ void produce_tasks(const Params& p, const GemmSme
       produce_tile<kFp8, kDecode>(
           p, g, st, task.tile_tokens, task.rows, k_steps, [&](int r) { return act + (first + r) * inter_row_bytes; },
           [&](int r) { return act_scales + (first + r) * inter_groups; },
-          [&](char* stage, uint64_t* full, int ks, uint32_t weight_scales) {
+          [&](char* stage, uint64_t* full, int ks, uint32_t weight_scales, bool real) {
+            // A GEMM1 tile spans the whole K: a zero step's box (produce_tile) is past I, zero-filled.
             tma_load_3d(stage, &p.tmap_w2, full, ks * tile_k(kFp8), 0, w2_group, stream_policy);
             if constexpr (kFp8) {  // one block for the tile's rows: both slots
-              cp_async_4(weight_scales, weight_scale + ks, true);
-              cp_async_4(weight_scales + 4, weight_scale + ks, true);
+              cp_async_4(weight_scales, weight_scale + (real ? ks : 0), real);
+              cp_async_4(weight_scales + 4, weight_scale + (real ? ks : 0), real);
             }
             if (ks == reserve_step) reserve_task(p, queue);
           },
@@ -384,7 +387,7 @@ __device__ int64_t consume_tasks(const Params& p, const PeerTable& peers, bool a
     const int k_steps = task.k_steps;
     if (ping_pong(task.tile_tokens, kFp8) && (ping_pong_tiles++ & 1) != consumer) {
       const int passes = kFp8 && task.gemm == 0 ? kFp8Gemm0Passes : 1;
-      skip_tile<kFp8, kDecode>(st, task.tile_tokens, passes * k_steps);
+      skip_tile<kFp8, kDecode>(st, task.tile_tokens, passes, k_steps);
       continue;
     }
     trace(kTraceConsumerTask, index);
