@@ -75,6 +75,8 @@ CHECKS = [  # shape, tokens, routing
     ("qwen3-30b/ep4", 8, "uniform"),
     ("qwen3-30b/ep4", 20, "one_expert"),  # 12 tiles of 32 tokens: 4 splits of the narrowest tile
     ("qwen3-30b/ep4", 16, "one_expert"),  # 16 rows: 16-token decode tiles (the call's widest fits), split
+    ("qwen3-30b/ep4", 64, "uniform"),  # 512 received entries: the per-block lists' second round
+    ("qwen3-30b/ep4", 96, "zipf"),  # 768 entries: both rounds full, the most the per-block lists take
     ("qwen3-30b/ep4", 128, "zipf"),
     ("qwen3-30b/ep4", 1000, "uniform"),
     ("qwen3-235b/ep4", 64, "uniform"),

@@ -92,7 +92,7 @@ enum RingField : int {
   // When the last block finished each phase (%globaltimer at its arrival at the grid barrier that closes the
   // phase; GEMM0: the last GEMM0 tile's end): where a call's time goes.
   kRingDispatchEndNs = 12,
-  kRingReceiveEndNs = 13,
+  kRingReceiveEndNs = 13,   // calls that build their lists in every block: block 0's end (moe_layer.cuh)
   kRingGemm0EndNs = 14,     // the last GEMM0 tile (GEMM1 tiles of finished experts may already run)
   kRingGemm1EndNs = 15,     // every GEMM tile
 };

@@ -207,6 +207,8 @@ struct GemmSmem {
     return reinterpret_cast<char*>(a);
   }
   __device__ char* stage(int s, int n, bool fp8) const { return base() + kPoolOffset + s * stage_bytes(n, fp8); }
+  // The stage pool, free before the GEMM phase: scratch for the receive phase (subscriber.cuh).
+  __device__ char* pool() const { return base() + kPoolOffset; }
   __device__ char* staging_base(int n, bool fp8) const {
     return base() + kPoolOffset + kStagePoolBytes - staging_bytes(n, fp8);
   }

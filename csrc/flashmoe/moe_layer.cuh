@@ -2,7 +2,8 @@
 // barriers (all blocks are co-resident: cooperative launch), and ranks meet only through epoch-tagged signals.
 //
 //   1 dispatch     send each token once per destination rank          (source side)
-//   2 receive      wait for all sources, build per-expert row lists   (destination side)
+//   2 receive      wait for all sources, build per-expert row lists   (destination side; decode-sized calls:
+//                  each block builds them all itself and starts its GEMMs without a grid barrier)
 //   3 GEMMs        one task queue: GEMM0 tiles SwiGLU(x W13^T), then GEMM1 tiles act W2^T whose rows go
 //                  straight into the owners' combine buffers (an expert's GEMM1 waits for its GEMM0 tiles
 //                  only, not for a grid barrier); then signal every source
@@ -93,14 +94,21 @@ __device__ void moe_layer(const Params& p) {
   wait_dispatch(p, epoch, sh.recv);
   trace(kTraceReceiveWaitDone);
   busy_start(p, sh.metrics);
-  build_expert_lists(p, sh.recv);
+  const bool lists_here = lists_per_block(p, sh.recv);  // the same in every block
+  static_assert(kListRounds * kWarps * kMaxLocalExperts <= kPoolBytes, "receive scratch in the stage pool");
+  if (lists_here) build_expert_lists_in_block(p, sh.recv, sh.table.count, reinterpret_cast<uint8_t*>(gemm.pool()));
+  else build_expert_lists(p, sh.recv);
   busy_stop(p, sh.metrics);
   trace(kTraceReceiveDone);
-  grid_barrier(p, 2, epoch, phase_end_field(p, epoch, kRingReceiveEndNs));
+  if (!lists_here) {
+    grid_barrier(p, 2, epoch, phase_end_field(p, epoch, kRingReceiveEndNs));
+  } else if (blockIdx.x == 0 && threadIdx.x == 0) {
+    mark_time(p, epoch, kRingReceiveEndNs);  // every block builds the same lists: block 0's end stands for all
+  }
   trace(kTraceBarrier2Done);
 
   // 3-4. GEMM0 (+ SwiGLU) and GEMM1 into the owners' combine buffers, one task queue (scheduler.cuh).
-  build_expert_table<kFp8>(p, sh.table);
+  build_expert_table<kFp8>(p, sh.table, lists_here);
   trace(kTraceGemmStart);
   busy_start(p, sh.metrics);
   if (decode_call(sh.table.max_count)) {  // every block reads the same table: all take the same branch

@@ -142,13 +142,16 @@ __device__ __forceinline__ TaskCounts task_counts(const Params& p, const ExpertT
   return c;
 }
 
-// Fill the table from the workspace counters (all blocks compute the same thing): warp 0 scans the counts 32
-// experts at a time.
+// Fill the table from the per-expert counts (all blocks compute the same thing): the workspace counters, or
+// (`counts_in_table`: subscriber.cuh lists_per_block) the counts the block already wrote into t.count. Warp 0
+// scans them 32 experts at a time.
 template <bool kFp8>
-__device__ void build_expert_table(const Params& p, ExpertTable& t) {
-  const uint32_t* counts = ws_ptr<uint32_t>(p, p.ws_off.expert_count);
-  for (int e = threadIdx.x; e < p.num_local; e += blockDim.x) t.count[e] = static_cast<int>(__ldcg(counts + e));
-  __syncthreads();
+__device__ void build_expert_table(const Params& p, ExpertTable& t, bool counts_in_table) {
+  if (!counts_in_table) {
+    const uint32_t* counts = ws_ptr<uint32_t>(p, p.ws_off.expert_count);
+    for (int e = threadIdx.x; e < p.num_local; e += blockDim.x) t.count[e] = static_cast<int>(__ldcg(counts + e));
+    __syncthreads();
+  }
   if (threadIdx.x < 32) {
     const int lane = threadIdx.x;
     int rows_before = 0, tiles_before = 0, max_count = 0;

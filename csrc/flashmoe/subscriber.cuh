@@ -29,6 +29,14 @@ static __device__ void wait_dispatch(const Params& p, uint32_t epoch, Received& 
   __syncthreads();
 }
 
+// Received row `received` (counted over the sources in order) -> its row in the receive area: source x
+// max_tokens_per_rank + slot.
+__device__ __forceinline__ int64_t received_row(const Params& p, const Received& recv, int received) {
+  int s = 0, slot = received;
+  while (slot >= recv.rows[s]) slot -= recv.rows[s++];
+  return static_cast<int64_t>(s) * p.max_tokens_per_rank + slot;
+}
+
 // One thread per received (row, top-k slot): append (row, j) to its expert's list. Per entry, not per row, so
 // no thread runs k dependent load -> atomic -> store chains in a row.
 static __device__ void build_expert_lists(const Params& p, const Received& recv) {
@@ -40,14 +48,71 @@ static __device__ void build_expert_lists(const Params& p, const Received& recv)
   const int entries = recv.total * k;
   for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < entries; i += gridDim.x * blockDim.x) {
     const int received = i / k, j = i - received * k;
-    int s = 0, slot = received;
-    while (slot >= recv.rows[s]) slot -= recv.rows[s++];
-    const int64_t row = static_cast<int64_t>(s) * p.max_tokens_per_rank + slot;
+    const int64_t row = received_row(p, recv, received);
     const int local = ldcg(meta + row * mstride + 1 + j);
     if (local < 0) continue;
     const uint32_t pos = atomicAdd(expert_count + local, 1u);
     expert_rows[static_cast<int64_t>(local) * p.expert_rows_stride + pos] = static_cast<int>(row << 4) | j;
   }
+}
+
+// Calls whose received entries (rows x top-k slots) fit kListRounds per thread of a block (decode: T <= 96 at top-8
+// and world 1, ~26 per rank at EP4): every block builds the whole lists itself, in one order that does not depend
+// on timing (by source, slot, top-k slot), and goes on to its GEMMs without waiting for the other blocks (the grid
+// barrier after the list building of larger calls) or reading the counts back from L2.
+constexpr int kListRounds = 2;
+__device__ __forceinline__ bool lists_per_block(const Params& p, const Received& recv) {
+  return recv.total * p.top_k <= kListRounds * kThreads;
+}
+
+// lists_per_block calls, every thread of every block: thread t takes entries r kThreads + t. An entry's place in its
+// expert's list is the number of that expert's entries before it: in its warp by match, in earlier warps and
+// rounds from `warp_counts` ([round][warp][expert] bytes of shared scratch, kListRounds x kWarps x num_local).
+// Every block stores the same entries at the same places; its own stores are what its GEMM phase reads. The
+// counts go to `count` (the block's expert table).
+static __device__ void build_expert_lists_in_block(const Params& p, const Received& recv, int* count,
+                                                   uint8_t* warp_counts) {
+  const int k = p.top_k, entries = recv.total * k, num_local = p.num_local;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int* meta = sym_ptr<int>(p, p.sym_off.recv_meta);
+  for (int i = threadIdx.x; i < kListRounds * kWarps * num_local; i += blockDim.x) warp_counts[i] = 0;
+  int local[kListRounds], entry[kListRounds];
+  unsigned same[kListRounds];
+#pragma unroll
+  for (int r = 0; r < kListRounds; ++r) {  // every round's load in flight at once
+    const int i = r * kThreads + static_cast<int>(threadIdx.x);
+    local[r] = -1;
+    entry[r] = 0;
+    if (i < entries) {
+      const int received = i / k, j = i - received * k;
+      const int64_t row = received_row(p, recv, received);
+      local[r] = ldcg(meta + row * meta_stride(k) + 1 + j);
+      entry[r] = static_cast<int>(row << 4) | j;
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < kListRounds; ++r) same[r] = __match_any_sync(0xffffffffu, local[r]);
+  __syncthreads();  // scratch zeroed
+#pragma unroll
+  for (int r = 0; r < kListRounds; ++r)
+    if (local[r] >= 0 && __ffs(same[r]) - 1 == lane)
+      warp_counts[(r * kWarps + warp) * num_local + local[r]] = static_cast<uint8_t>(__popc(same[r]));
+  __syncthreads();
+  int* lists = ws_ptr<int>(p, p.ws_off.expert_rows);
+#pragma unroll
+  for (int r = 0; r < kListRounds; ++r) {
+    if (local[r] < 0) continue;
+    int pos = __popc(same[r] & ((1u << lane) - 1u));
+    for (int w = 0; w < r * kWarps + warp; ++w) pos += warp_counts[w * num_local + local[r]];
+    lists[static_cast<int64_t>(local[r]) * p.expert_rows_stride + pos] = entry[r];
+  }
+  const int warps = ceil_div(entries, 32);  // warps (over all rounds) holding entries
+  for (int e = threadIdx.x; e < num_local; e += blockDim.x) {
+    int c = 0;
+    for (int w = 0; w < warps; ++w) c += warp_counts[w * num_local + e];
+    count[e] = c;
+  }
+  __syncthreads();  // the counts and this block's list stores, before the table and the GEMM phase read them
 }
 
 // Thread 0 of every block waits for every owner's combine signal (a timeout is recorded, not returned: the

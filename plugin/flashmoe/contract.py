@@ -102,7 +102,7 @@ RING_WORLD_SIZE = 11
 # When the last block finished each phase (%globaltimer at its arrival at the grid barrier that closes the
 # phase; GEMM0: the last GEMM0 tile's end): where a call's time goes.
 RING_DISPATCH_END_NS = 12
-RING_RECEIVE_END_NS = 13
+RING_RECEIVE_END_NS = 13  # calls that build their lists in every block: block 0's end (moe_layer.cuh)
 RING_GEMM0_END_NS = 14  # the last GEMM0 tile (GEMM1 tiles of finished experts may already run)
 RING_GEMM1_END_NS = 15  # every GEMM tile
 
