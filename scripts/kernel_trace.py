@@ -124,7 +124,10 @@ def streaming_timeline(producer: list[dict], H: int, I: int, fp8: bool, bin_us: 
     """Per `bin_us` of the launch: the weight bytes the producers issued (each task's bytes spread evenly over its
     first-to-last stage issue; TMA requests, so a stage lands some microseconds later) as TB/s, and how many SMs
     were issuing GEMM0 and GEMM1 tiles (fractions of a bin count). Shows where the GEMM phase streams at HBM rate
-    and where few SMs stream: a partial last wave, short tasks whose set-up outlasts their issue."""
+    and where few SMs stream: a partial last wave, short tasks whose set-up outlasts their issue. A GEMM1 tile that
+    waits for its rows requests its first stage's weights and prefetches the rest into L2 at its first slot, before
+    the first issue counted here, so where GEMM1 tiles wait (a decode call's hand-over from GEMM0) HBM is busier
+    than these bins show (fp8 T = 8, 2026-11-24: 84 tiles, ~8 MiB, in a 4 us "dip")."""
     bins: dict[int, list[float]] = {}
     for p in producer:
         if "first_issue" not in p:
