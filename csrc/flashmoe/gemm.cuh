@@ -17,18 +17,18 @@
 //                   epilogue and next-task bookkeeping, so some warpgroup always drains the ring and the SM
 //                   keeps streaming across tile boundaries. Wide tiles (N = 128) are split: 64 rows each.
 //
-// fp8 tiles stream 128-byte rows too (128 e4m3 of K per K step, one scale block), so a step has the bytes and
-// swizzle of a bf16 one (a decode stage carries two steps, stage_k_steps). Each stage also carries its scales (a float per token row, the weight block's), and
-// the consumers promote: a K step's wgmmas accumulate into fresh registers, which are added to the fp32
-// accumulators times (token scale x weight scale) -- the tensor core's fp8 accumulation keeps ~13 bits, so
-// partial sums longer than one block would lose precision (DeepGEMM does the same). The promotion registers
-// double the accumulator footprint, so fp8 tiles are ping-pong up to 32 tokens and split (two warpgroups) at
-// 64 and 128. A 128-token fp8 tile (prefill: an expert with more than 64 rows) is token-major instead of
-// swap-AB: each consumer's 64 tokens are wgmma's A operand and the stage's 128 weight rows its N side, so a
-// thread's accumulators belong to 2 tokens and the 128-K promotion needs 4 scale products per thread, where a
-// swap-AB thread of that tile holds 32 tokens and needs 64 (the instruction stream that bounded the swap-AB
-// 128-token stage, benchmarks/kernel-notes.md). Its GEMM0 epilogue stages 128 tokens x 128 fp32 features
-// (66 KiB), which leaves 4 stages.
+// fp8 tiles stream 128-byte rows too (128 e4m3 of K per K step, one scale block), so a step has the bytes and swizzle
+// of a bf16 one (a decode stage carries two steps, stage_k_steps). Each stage also carries its scales (a float per
+// token row, the weight block's), and the consumers promote: a K step's wgmmas accumulate into fresh registers, which
+// are added to the fp32 accumulators times (token scale x weight scale) -- the tensor core's fp8 accumulation keeps ~13
+// bits, so partial sums longer than one block would lose precision (DeepGEMM does the same). The promotion registers
+// double the accumulator footprint, so fp8 tiles are ping-pong up to 32 tokens and split (two warpgroups) at 64 and
+// 128. A 128-token fp8 tile (prefill: an expert with more than 64 rows) is token-major instead of swap-AB: each
+// consumer's 64 tokens are wgmma's A operand and the stage's 128 weight rows its N side, so a thread's accumulators
+// belong to 2 tokens and the 128-K promotion needs 4 scale products per thread, where a swap-AB thread of that tile
+// holds 32 tokens and needs 64 (the instruction stream that bounded the swap-AB 128-token stage,
+// benchmarks/kernel-notes.md). Its GEMM0 epilogue stages 128 tokens x 128 fp32 features (66 KiB), which leaves 4
+// stages.
 //
 // The pipeline is drained only when the tile width changes (the stage pool is re-carved, PipeState::enter);
 // otherwise the producer runs ahead into the next tile while the consumers run an epilogue. Tasks (tasks.cuh)
@@ -405,7 +405,8 @@ __device__ __forceinline__ void produce_tile(const Params& p, const GemmSmem& g,
         }
         if constexpr (kFp8) {  // padding rows get scale 0 (their zero rows contribute nothing either way)
           const bool load = real && scale_row != nullptr;
-          if (tid < N) cp_async_4(scales + (token_scale_slot(j) + tid) * 4, load ? scale_row + ks + j : zero_fill, load);
+          const uint32_t dst = scales + (token_scale_slot(j) + tid) * 4;
+          if (tid < N) cp_async_4(dst, load ? scale_row + ks + j : zero_fill, load);
         }
       }
       mbar_arrive_on_cp_async(full);
@@ -557,7 +558,6 @@ __device__ __forceinline__ void consume_tile_fp8_two_steps(const Params& p, cons
   static_assert(kSteps == 2 && kHalves == 2, "ping-pong decode tiles only; one-step stages: consume_tile_fp8");
   const int lane = threadIdx.x & 31;
   constexpr uint32_t kReleases = 2;  // the owner's 4 warps, twice each
-  constexpr uint32_t first_row = 0;  // all 128 weight rows
 #pragma unroll
   for (int h = 0; h < kHalves; ++h)
 #pragma unroll
@@ -592,7 +592,7 @@ __device__ __forceinline__ void consume_tile_fp8_two_steps(const Params& p, cons
       const uint64_t b = sw128_desc(stage + stage_tokens_offset(N, true, step));
 #pragma unroll
       for (int h = 0; h < kHalves; ++h) {
-        const uint64_t a = sw128_desc(stage + stage_weights_offset(step) + (first_row + h * kConsumerRows) * 128);
+        const uint64_t a = sw128_desc(stage + stage_weights_offset(step) + h * kConsumerRows * 128);  // all 128 rows
 #pragma unroll
         for (int kk = k0; kk < k0 + kPerPromotion; ++kk)
           WgmmaFp8<N>::mma(partial[group][h], a + 2 * kk, b + 2 * kk, kk > k0);
