@@ -52,7 +52,7 @@ PHASES = {
     5: "barrier2",
     6: "gemm_start",
     7: "gemm",
-    8: "barrier3",
+    8: "gemm_counted",
     9: "combine_wait",
     10: "end",
 }

@@ -29,7 +29,7 @@ int main() {
 #define VALUE(kind, name) std::printf(kind " %s %lld\n", #name, static_cast<long long>(name));
   VALUE("const", kStatusOk) VALUE("const", kStatusTimeout)
   VALUE("phase", kPhaseDispatchWait) VALUE("phase", kPhaseCombineWait) VALUE("phase", kPhaseGridBarrier)
-  VALUE("phase", kPhaseGemmPipeline) VALUE("phase", kPhaseExpertReady)
+  VALUE("phase", kPhaseGemmPipeline) VALUE("phase", kPhaseExpertReady) VALUE("phase", kPhaseReleaseWait)
   VALUE("ring", kRingSeq) VALUE("ring", kRingLayerId) VALUE("ring", kRingStartNs) VALUE("ring", kRingEndNs)
   VALUE("ring", kRingBusyNs) VALUE("ring", kRingBlocksDone) VALUE("ring", kRingNumBlocks)
   VALUE("ring", kRingTokensIn) VALUE("ring", kRingRowsDispatched) VALUE("ring", kRingRowsReceived)
@@ -89,6 +89,7 @@ def test_phases_and_status_codes(header):
         "GRID_BARRIER": 3,
         "GEMM_PIPELINE": 4,
         "EXPERT_READY": 5,
+        "RELEASE_WAIT": 6,
     }
     for name, value in phases.items():
         assert getattr(contract, f"PHASE_{name}") == value

@@ -108,7 +108,8 @@ def _megakernel_records(rank: int, world: int, port: int) -> None:
     start, end = mine[:, mr.START_NS], mine[:, mr.END_NS]
     assert (end > start).all(), (start, end)
     assert (start[1:] >= start[:-1]).all() and (end[1:] >= end[:-1]).all(), "device timestamps not monotonic"
-    # Phase ends (the last block's arrival at each grid barrier; GEMM0's last tile) fall in order inside the call.
+    # Phase ends (the last block's arrival at each grid barrier; GEMM0's last tile; the last block's GEMM end) fall in
+    # order inside the call.
     from flashmoe import contract as c
 
     phases = mine[:, [c.RING_DISPATCH_END_NS, c.RING_RECEIVE_END_NS, c.RING_GEMM1_END_NS]]

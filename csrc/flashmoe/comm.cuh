@@ -1,12 +1,17 @@
 // Communication primitives: peer addressing, bounded waits, signals, the grid barrier.
 //
-// Ordering argument (why no reset is ever needed): every signal word carries (epoch << 32) | count, where
-// epoch is this process's call counter (all ranks make the same sequence of calls). A receiver waits for an
-// exact epoch match. A sender can only be one call ahead of a receiver's wait: to start call e+1 it must have
-// finished call e, whose combine phase needed every receiver's combine signal for e, sent after that receiver
-// consumed the dispatch of e. So the word holds e-1 or e while the receiver waits for e, and the epoch never
-// aliases (2^32 calls between equal values). Data buffers are reused under the same argument: a source writes
-// call e+1's rows only after the destination has finished reading call e's.
+// Ordering (why no signal word is ever reset). A dispatch signal carries (epoch << 32) | rows, a release signal
+// epoch << 32, where epoch is this process's call counter (all ranks make the same sequence of calls); a receiver
+// waits for an exact epoch match. A destination releases call e once every one of its blocks has finished its
+// GEMMs of e, so it reads no more of what sources wrote into its receive area in e; in call e + 1 a source waits
+// for that release before it writes rows there or overwrites its dispatch signal. A destination releases e only
+// after every source's dispatch of e, and starts e + 1 only after releasing e, so the release word holds e - 1 or
+// e while a source waits for e, and the dispatch word e - 1 or e while a destination waits for e; the epoch never
+// aliases (2^32 calls between equal values). The combine arrivals are counts, not signals: a source zeroes its words at
+// the start of each call, before grid barrier 1 and so before any dispatch signal of the call; a destination adds
+// to them only for rows of that call, after that signal; and the source's wait for call e ends only when every
+// add of e has landed (the sum must match exactly), so none of them spills into call e + 1. The combine rows
+// themselves are rewritten in call e + 1 only after the source's dispatch of e + 1, when its combine of e is over.
 //
 // Two builds (plugin/flashmoe/build/recipe.py). The default one reaches peers by NVLink stores only, so it needs no
 // NVSHMEM device code, and compiles the fp8 kernel as a whole program (faster, and ptxas honours setmaxnreg
@@ -47,11 +52,15 @@ __device__ __forceinline__ void put_thread(void* dst, const void* src, size_t by
 __device__ __forceinline__ void signal_set(uint64_t* word, uint64_t value, int pe) {
   nvshmemx_signal_op(word, value, NVSHMEM_SIGNAL_SET, pe);
 }
+__device__ __forceinline__ void signal_add(uint64_t* word, uint64_t value, int pe) {
+  nvshmemx_signal_op(word, value, NVSHMEM_SIGNAL_ADD, pe);
+}
 __device__ __forceinline__ void quiet_puts() { nvshmem_quiet(); }  // every put this PE issued is delivered
 #else
 __device__ __forceinline__ void put_warp(void*, const void*, size_t, int) { __trap(); }
 __device__ __forceinline__ void put_thread(void*, const void*, size_t, int) { __trap(); }
 __device__ __forceinline__ void signal_set(uint64_t*, uint64_t, int) { __trap(); }
+__device__ __forceinline__ void signal_add(uint64_t*, uint64_t, int) { __trap(); }
 __device__ __forceinline__ void quiet_puts() { __trap(); }
 #endif
 
@@ -96,6 +105,34 @@ static __device__ uint64_t wait_signal(const Params& p, const uint64_t* word, ui
       }
     }
   }
+}
+
+// Spin until *word == target (a count other GPUs add to); bounded like wait_signal. A word past its target is a
+// bug: it never matches, and the timeout report shows the count against the target (detail).
+static __device__ void wait_count(const Params& p, const uint64_t* word, uint64_t target, uint32_t epoch, int phase,
+                                  int peer) {
+  stress_delay(peer + 17 * phase);
+  const uint64_t start = globaltimer_ns();
+  uint32_t spins = 0;
+  while (true) {
+    const uint64_t v = ld_acquire_sys(word);
+    if (v == target) return;
+    if ((++spins & 63) == 0) {
+      if (aborted(p)) return;
+      if (globaltimer_ns() - start > p.timeout_ns) {
+        record_timeout(p, phase, peer, static_cast<int64_t>(target), epoch, v);
+        return;
+      }
+    }
+  }
+}
+
+// One warp: wait until every rank has released the previous call's buffers (`prev_epoch`; lane r watches rank r),
+// before this rank writes rows into their receive areas or signals them (the ordering above).
+static __device__ void wait_released(const Params& p, uint32_t prev_epoch) {
+  const uint64_t* words = sym_ptr<uint64_t>(p, p.sym_off.release_signal);
+  for (int r = threadIdx.x & 31; r < p.world_size; r += 32) wait_signal(p, words + r, prev_epoch, kPhaseReleaseWait, r);
+  __syncwarp();
 }
 
 // Set word on `pe` (a remote store over NVLink, or an NVSHMEM signal for proxied peers). Callers make sure

@@ -69,18 +69,19 @@ enum StatusCode : int64_t { kStatusOk = 0, kStatusTimeout = 1 };
 enum Phase : int {
   kPhaseNone = 0,
   kPhaseDispatchWait = 1,  // waiting for a source rank's dispatch signal
-  kPhaseCombineWait = 2,   // waiting for a destination rank's combine signal
+  kPhaseCombineWait = 2,   // waiting for a destination rank's combine rows (detail: the chunks expected)
   kPhaseGridBarrier = 3,   // waiting for the other blocks of this kernel
   kPhaseGemmPipeline = 4,  // a GEMM pipeline stage of this block never filled or drained (a kernel bug)
   kPhaseExpertReady = 5,   // an expert's GEMM0 tiles (other blocks of this kernel) never all finished (a kernel bug)
+  kPhaseReleaseWait = 6,   // waiting for a destination rank to release the previous call's receive buffers
 };
 
 // ---- Metrics ring: one record of kRingFields int64 per call, slot = epoch % kRingSlots.
 enum RingField : int {
-  kRingSeq = 0,             // the call's epoch (> 0); 0 = never written
+  kRingSeq = 0,             // the call's epoch (> 0), written at its start; 0 = never written
   kRingLayerId = 1,
   kRingStartNs = 2,         // %globaltimer at kernel start
-  kRingEndNs = 3,           // %globaltimer once every block has finished (read by the last one)
+  kRingEndNs = 3,           // %globaltimer when the last block finished (a maximum over blocks)
   kRingBusyNs = 4,          // sum over blocks of the time each block did work
   kRingBlocksDone = 5,      // complete when == kRingNumBlocks
   kRingNumBlocks = 6,
@@ -90,7 +91,7 @@ enum RingField : int {
   kRingRemoteBytes = 10,    // bytes sent to other ranks, dispatch + combine
   kRingWorldSize = 11,
   // When the last block finished each phase (%globaltimer at its arrival at the grid barrier that closes the
-  // phase; GEMM0: the last GEMM0 tile's end): where a call's time goes.
+  // phase; GEMM0: the last GEMM0 tile's end; GEMM1: the last block's end of its GEMM phase): where a call's time goes.
   kRingDispatchEndNs = 12,
   kRingReceiveEndNs = 13,   // calls that build their lists in every block: block 0's end (moe_layer.cuh)
   kRingGemm0EndNs = 14,     // the last GEMM0 tile (GEMM1 tiles of finished experts may already run)

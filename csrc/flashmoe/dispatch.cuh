@@ -165,9 +165,14 @@ __device__ __forceinline__ void send_row_fp8(const Params& p, const PeerTable& p
 }
 
 // Sends the first `num_tokens` tokens (0 in a padding call, params.cuh); returns the token-rank rows this warp
-// sent (metrics).
+// sent (metrics). Nothing is stored to a rank before it has released the previous call (`prev_epoch`, comm.cuh):
+// the block's last warp waits for every rank's release from the start (its own tokens, if any, come after) and
+// raises the block's `released` flag, which a warp checks before its first stores. The flag is long up by then, so
+// the release's round trip stays off the warp that carries the only token at small T. Block 0's thread 0 signals
+// every rank after the grid barrier, when its last warp has waited too.
 template <bool kFp8>
-__device__ int dispatch_tokens(const Params& p, const PeerTable& peers, int num_tokens) {
+__device__ int dispatch_tokens(const Params& p, const PeerTable& peers, int num_tokens, uint32_t prev_epoch,
+                               int* released) {
   int rows_sent = 0;
   const int lane = threadIdx.x & 31;
   const int warps_total = gridDim.x * kWarps;
@@ -175,8 +180,12 @@ __device__ int dispatch_tokens(const Params& p, const PeerTable& peers, int num_
   const int k = p.top_k, H = p.hidden_size;
   const int vec_per_row = H / 8;  // 16-byte vectors
   const int64_t mstride = meta_stride(k);
-  uint32_t* send_count = ws_ptr<uint32_t>(p, p.ws_off.rank_send_count);
+  unsigned long long* send_count = ws_ptr<unsigned long long>(p, p.ws_off.rank_send_count);
 
+  if ((threadIdx.x >> 5) == kWarps - 1) {
+    wait_released(p, prev_epoch);  // gives up (and records why) after the timeout: the flag goes up regardless
+    if (lane == 0) st_release_cta(released, 1);
+  }
   for (int t = warp_global; t < num_tokens; t += warps_total) {
     const uint4* src_row = reinterpret_cast<const uint4*>(p.x + static_cast<int64_t>(t) * H);
     // fp8: the row's first batch (a whole 2048-wide row) is loaded before the routing, so its loads overlap the
@@ -196,8 +205,15 @@ __device__ int dispatch_tokens(const Params& p, const PeerTable& peers, int num_
     const unsigned same = __match_any_sync(0xffffffffu, dest);
     const bool leader = dest >= 0 && (__ffs(same) - 1) == lane;
     unsigned leaders = __ballot_sync(0xffffffffu, leader);
-    // Every destination's slot at once: one atomic round trip per token, not one per destination.
-    const int my_slot = leader ? static_cast<int>(atomicAdd(send_count + dest, 1u)) : 0;
+    // Every destination's slot at once: one atomic round trip per token, not one per destination. The same add
+    // counts the row's entries there (the slots with an expert computed there; rank_send_count's high half),
+    // which the combine phase waits to see written back (moe_layer.cuh).
+    const unsigned entries = __popc(same & __ballot_sync(0xffffffffu, local >= 0));
+    const unsigned long long add = 1ull | static_cast<unsigned long long>(entries) << 32;
+    const int my_slot = leader ? static_cast<int>(static_cast<uint32_t>(atomicAdd(send_count + dest, add))) : 0;
+    if (t == warp_global)
+      while (ld_acquire_cta(released) == 0) {
+      }
     // Lane i (1..k) writes metadata entry i-1, so it needs slot i-1's destination and local id.
     const int dest_prev = __shfl_up_sync(0xffffffffu, dest, 1);
     const int local_prev = __shfl_up_sync(0xffffffffu, local, 1);

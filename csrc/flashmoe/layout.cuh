@@ -6,7 +6,10 @@
 //              recv_scales   W*T*(H/128)*4    fp8 layers: the rows' per-128-group scales
 //              recv_meta     W*T*(1+k)*4      per received row: source token id, local expert per top-k slot
 //              combine_rows  T*k*H*2          expert outputs for this rank's (token, j), written by the owners
-//              signals       2*W*8            dispatch / combine, (epoch << 32) | count
+//              dispatch_signal W*8            per source: (epoch << 32) | rows it sent us
+//              combine_arrivals W*8           per destination: 16-byte chunks it wrote into combine_rows this call
+//              release_signal W*8             per destination: (epoch << 32) of the last call whose receive
+//                                             area it has finished reading (our next rows may overwrite it)
 //              send_tokens   T*H*2            put path only: x staged in registered memory
 //              send_scales   T*(H/128)*4      put path only (fp8 layers)
 //              send_meta     W*T*(1+k)*4      put path only
@@ -16,6 +19,10 @@
 //              act_scales    W*T*min(k,E_l)*(I/128)*4  fp8 layers: their per-128-group scales
 //              gemm0_partials B*2*32 KiB     split GEMM0 tiles (small T): fp32 partial sums per (tile, rows, split)
 //              counters      small (per rank, per local expert, per call; split arrivals 2*B)
+//
+// Counters are zeroed where their previous call can no longer touch them (moe_layer.cuh zero_call_counters): most
+// at the call's start, before grid barrier 1, which every use follows; the dispatch's slot counters (used before
+// barrier 1) and gemm_done_blocks by the last block to finish its GEMMs.
 #pragma once
 
 #include <cstdint>
@@ -32,14 +39,17 @@ constexpr int64_t kAlign = 256;
 __host__ __device__ constexpr int64_t align_up(int64_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 
 struct SymLayout {
-  int64_t recv_tokens, recv_scales, recv_meta, combine_rows, dispatch_signal, combine_signal;
+  int64_t recv_tokens, recv_scales, recv_meta, combine_rows, dispatch_signal, combine_arrivals, release_signal;
   int64_t send_tokens, send_scales, send_meta, combine_stage;
   int64_t total;
 };
 
 struct WorkspaceLayout {
   int64_t expert_rows, act, act_scales;
-  int64_t rank_send_count;   // [W] u32   rows this rank sends to each destination (atomic slots)
+  int64_t rank_send_count;   // [W] u64   per destination: rows this rank sends (low half: the atomic slots) and
+                             //           their (row, top-k slot) entries there (high half)
+  int64_t proxied_chunks;    // [W] u64   put path: combine chunks written for each proxied source, sent after a quiet
+  int64_t gemm_done_blocks;  // u32       blocks past the GEMM phase this call (the last one releases the buffers)
   int64_t expert_count;      // [E_l] u32 rows received per local expert
   int64_t gemm0_done;        // [E_l][I/64] u32 GEMM0 tile completions per (local expert, feature tile); fp8: I/128
   int64_t gemm0_partials;    // fp32 [tile][consumer rows][split][kSplitSlotFloats] of split GEMM0 tiles
@@ -51,6 +61,9 @@ struct WorkspaceLayout {
   int64_t abort_flag;        // u32       set when any block gave up waiting
   int64_t total;
 };
+
+// The combine arrivals count 16-byte chunks of bf16 output rows: an entry (row, top-k slot) is complete at H / 8.
+constexpr int kCombineChunkFeatures = 8;
 
 // Put path: a ring of kPutRingTiles GEMM1 output tiles per block (up to 128 tokens x 128 features, bf16, each),
 // the registered source of the combine puts. A slot is rewritten only after a quiet (tasks.cuh store_outputs),
@@ -76,7 +89,8 @@ __host__ __device__ inline SymLayout sym_layout(const Capacity& c) {
   l.recv_meta = take(c.world_size * c.max_tokens_per_rank * meta_stride(c.top_k) * 4);
   l.combine_rows = take(c.max_tokens_per_rank * c.top_k * c.hidden_size * 2);
   l.dispatch_signal = take(c.world_size * 8);
-  l.combine_signal = take(c.world_size * 8);
+  l.combine_arrivals = take(c.world_size * 8);
+  l.release_signal = take(c.world_size * 8);
   l.send_tokens = take(c.max_tokens_per_rank * c.hidden_size * 2);
   l.send_scales = take(c.max_tokens_per_rank * (c.hidden_size / kHiddenMultiple) * 4);
   l.send_meta = take(c.world_size * c.max_tokens_per_rank * meta_stride(c.top_k) * 4);
@@ -98,7 +112,9 @@ __host__ __device__ inline WorkspaceLayout workspace_layout(const Capacity& c) {
   // Expert e's rows start at the prefix of the counts before it; tiles read and write only valid rows.
   l.act = take(max_received_entries(c) * c.intermediate_size * 2);
   l.act_scales = take(max_received_entries(c) * (c.intermediate_size / kHiddenMultiple) * 4);
-  l.rank_send_count = take(c.world_size * 4);
+  l.rank_send_count = take(c.world_size * 8);
+  l.proxied_chunks = take(c.world_size * 8);
+  l.gemm_done_blocks = take(4);
   l.expert_count = take(c.max_local * 4);
   l.gemm0_done = take(c.max_local * (c.intermediate_size / kInterMultiple) * 4);
   l.gemm0_partials = take(c.num_blocks * kSplitRowGroups * kSplitSlotFloats * 4);

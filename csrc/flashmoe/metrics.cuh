@@ -33,8 +33,8 @@ __device__ __forceinline__ int64_t* ring_record(const Params& p, uint32_t epoch)
   return p.metrics_ring + static_cast<int64_t>(epoch % kRingSlots) * kRingFields;
 }
 
-// The calling thread finished a piece of a phase now: the record keeps the latest such time. For one call
-// per phase only (the last GEMM0 tile): atomics from every block on one record line serialise in L2.
+// The calling thread finished a piece of a phase now: the record keeps the latest such time. A reduction (no value
+// comes back, so the thread does not wait for it), from each GEMM0 tile's epilogue and each block's GEMM end.
 __device__ __forceinline__ void mark_time(const Params& p, uint32_t epoch, RingField field) {
   if (p.metrics)
     atomicMax(reinterpret_cast<unsigned long long*>(ring_record(p, epoch)) + field,
@@ -58,15 +58,15 @@ static __device__ void open_record(const Params& p, uint32_t epoch, uint64_t sta
   rec[kRingNumBlocks] = gridDim.x;
   rec[kRingTokensIn] = tokens_in;
   rec[kRingWorldSize] = p.world_size;
-  // No fence: the record is published by the last block's seq (publish_metrics), and every block reaches
-  // that through the grid barriers, whose fences order these stores before it.
+  rec[kRingSeq] = epoch;  // the record is complete once every block has counted itself (kRingBlocksDone)
+  // No fence: every block's count (publish_metrics) follows grid barrier 1, whose fences order these stores first.
 }
 
 // Thread 0 of every block, at its end; the kernel ends with the last of these. All of a block's atomics go
 // to the record's one cache line or the layer's totals, where they serialise with every other block's, so
-// each block adds only what it has (rows and bytes are zero for most blocks at small T), the totals are
-// added here rather than read back from the record by the last block, and only the count returns a value.
-// The last block stamps the end (a time after every block's count) and then the seq that publishes the record.
+// each block adds only what it has (rows and bytes are zero for most blocks at small T). None returns a value,
+// so no block waits for a round trip here: each adds its end time as a maximum, fences its adds, and counts
+// itself; the record is complete when the count reaches the number of blocks (metrics/ring.py checks that).
 static __device__ void publish_metrics(const Params& p, uint32_t epoch, uint64_t busy_ns, int64_t rows_sent,
                                 int64_t remote_bytes, int rows_received, int tokens_in) {
   int64_t* rec = ring_record(p, epoch);
@@ -87,13 +87,9 @@ static __device__ void publish_metrics(const Params& p, uint32_t epoch, uint64_t
     atomicAdd(totals + kTotalCalls, 1ull);
     atomicAdd(totals + kTotalTokensIn, static_cast<unsigned long long>(tokens_in));
   }
-  __threadfence();
-  const unsigned long long done = atomicAdd(u + kRingBlocksDone, 1ull) + 1;
-  if (done == gridDim.x) {
-    rec[kRingEndNs] = static_cast<int64_t>(globaltimer_ns());
-    __threadfence();
-    atomicExch(u + kRingSeq, static_cast<unsigned long long>(epoch));
-  }
+  atomicMax(u + kRingEndNs, static_cast<unsigned long long>(globaltimer_ns()));
+  __threadfence();  // this block's adds before its count: a complete record has every block's
+  atomicAdd(u + kRingBlocksDone, 1ull);
 }
 
 }  // namespace flashmoe

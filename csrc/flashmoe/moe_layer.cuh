@@ -1,13 +1,15 @@
-// The whole MoE layer in one persistent kernel: every block runs every phase; phases are separated by grid
-// barriers (all blocks are co-resident: cooperative launch), and ranks meet only through epoch-tagged signals.
+// The whole MoE layer in one persistent kernel: every block runs every phase (all blocks are co-resident:
+// cooperative launch); ranks meet only through one-sided signals and counts (comm.cuh: the ordering argument).
 //
-//   1 dispatch     send each token once per destination rank          (source side)
+//   1 dispatch     send each token once per destination rank; a grid barrier, then every destination gets
+//                  the number of rows it was sent                        (source side)
 //   2 receive      wait for all sources, build per-expert row lists   (destination side; decode-sized calls:
 //                  each block builds them all itself and starts its GEMMs without a grid barrier)
 //   3 GEMMs        one task queue: GEMM0 tiles SwiGLU(x W13^T), then GEMM1 tiles act W2^T whose rows go
 //                  straight into the owners' combine buffers (an expert's GEMM1 waits for its GEMM0 tiles
-//                  only, not for a grid barrier); then signal every source
-//   4 combine      wait for every owner, reduce over top-k slots      (source side)
+//                  only, not for a grid barrier); each block then adds what it wrote to each source's arrival
+//                  count, and the last block to finish releases the receive buffers to every source
+//   4 combine      once each owner's rows are all in (the counts), reduce over top-k slots   (source side)
 //
 // In the GEMM phase warpgroup 0 produces (TMA, cp.async) and warpgroups 1-2 consume (wgmma); the ring of
 // stages is set up once per launch and carries over from tile to tile. kFp8: block-fp8 weights (e4m3 with
@@ -35,10 +37,95 @@ struct BlockShared {
   PeerTable peers;
   Received recv;
   ExpertTable table;
-  uint32_t epoch;
+  uint32_t epoch, prev_epoch;
   bool any_proxied;  // some peer is reached through NVSHMEM puts
+  int released;      // every rank has released the previous call (dispatch.cuh)
   BlockMetrics metrics;
+  uint32_t combine_chunks[kMaxWorld];  // 16-byte chunks of output rows this block wrote into each source's rows
+  uint32_t sent_entries[kMaxWorld];    // (row, top-k slot) entries this rank sent each destination
 };
+
+// The call's own counters, zeroed at its start by every block's threads from the last block down (block 0's first
+// warp carries the first token at small T): every use of them follows grid barrier 1, whose fences order these
+// stores first. The combine arrivals too: destinations add to them only after this call's dispatch signal, which
+// block 0 sends after barrier 1 (comm.cuh).
+static __device__ void zero_call_counters(const Params& p) {
+  const int num_gemm0_done = p.num_local * (p.intermediate_size / kInterMultiple);
+  const int num_splits = static_cast<int>(gridDim.x) * kSplitRowGroups;
+  const int n = p.world_size * 3 + p.num_local + num_gemm0_done + num_splits + 1;
+  for (int i = (gridDim.x - 1 - blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+    int j = i;
+    if (j < p.world_size * 2) {  // u64 words as pairs of u32
+      ws_ptr<uint32_t>(p, p.ws_off.proxied_chunks)[j] = 0;
+      continue;
+    }
+    j -= p.world_size * 2;
+    if (j < p.world_size) {
+      sym_ptr<uint64_t>(p, p.sym_off.combine_arrivals)[j] = 0;
+      continue;
+    }
+    j -= p.world_size;
+    if (j < p.num_local) {
+      ws_ptr<uint32_t>(p, p.ws_off.expert_count)[j] = 0;
+      continue;
+    }
+    j -= p.num_local;
+    if (j < num_gemm0_done) {
+      ws_ptr<uint32_t>(p, p.ws_off.gemm0_done)[j] = 0;
+      continue;
+    }
+    j -= num_gemm0_done;
+    if (j < num_splits) ws_ptr<uint32_t>(p, p.ws_off.gemm0_split_arrivals)[j] = 0;
+    else *ws_ptr<uint32_t>(p, p.ws_off.task_counter) = 0;
+  }
+}
+
+// After a block's GEMM phase, once every thread has fenced its combine-row stores at system scope and the block has
+// met at a barrier. Warp 0 adds what the block wrote to each source's arrival count (lane r: source r, a release
+// add over NVLink) and goes on to the combine wait. Warp 1, meanwhile (its atomic's round trip is then off the
+// block's path), adds a proxied source's share to this rank's total for it and counts the block done; the last
+// block knows every block has finished reading this call's receive area and the dispatch counts: it resets those
+// counts (used before barrier 1, so not zeroed at the start), sends the proxied totals after a quiet, and
+// releases the call to every rank.
+static __device__ void finish_gemm_phase(const Params& p, const PeerTable& peers, bool any_proxied, uint32_t epoch,
+                                         const uint32_t* chunks) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  unsigned long long* proxied_chunks = ws_ptr<unsigned long long>(p, p.ws_off.proxied_chunks);
+  if (warp == 0) {
+    for (int r = lane; r < p.world_size; r += 32) {
+      if (chunks[r] == 0 || !use_p2p(peers, r)) continue;
+      uint64_t* arrivals = reinterpret_cast<uint64_t*>(peers.base[r] + p.sym_off.combine_arrivals);
+      red_release_sys_add(arrivals + p.rank, chunks[r]);
+    }
+    return;
+  }
+  if (warp != 1) return;
+  if (any_proxied) {
+    for (int r = lane; r < p.world_size; r += 32)
+      if (chunks[r] != 0 && !use_p2p(peers, r))
+        atomicAdd(proxied_chunks + r, static_cast<unsigned long long>(chunks[r]));
+    __syncwarp();
+  }
+  if (lane != 0) return;
+  mark_time(p, epoch, kRingGemm1EndNs);  // the latest block's end (a reduction, no value comes back)
+  uint32_t* done = ws_ptr<uint32_t>(p, p.ws_off.gemm_done_blocks);
+  __threadfence();  // this block's proxied totals (ordered by the warp barrier) before its count
+  if (atomicAdd(done, 1u) != gridDim.x - 1) return;
+  __threadfence();  // every block's totals, after their counts
+  *done = 0;
+  unsigned long long* send_count = ws_ptr<unsigned long long>(p, p.ws_off.rank_send_count);
+  for (int r = 0; r < p.world_size; ++r) send_count[r] = 0;
+  if (any_proxied) {
+    quiet_puts();  // every block's combine puts are delivered before their counts
+    for (int r = 0; r < p.world_size; ++r) {
+      if (use_p2p(peers, r)) continue;
+      const unsigned long long n = __ldcg(proxied_chunks + r);
+      if (n) signal_add(sym_ptr<uint64_t>(p, p.sym_off.combine_arrivals) + p.rank, n, r);
+    }
+  }
+  uint64_t* release = sym_ptr<uint64_t>(p, p.sym_off.release_signal) + p.rank;
+  for (int r = 0; r < p.world_size; ++r) send_signal(p, peers, release, r, static_cast<uint64_t>(epoch) << 32);
+}
 
 template <bool kFp8>
 __device__ void moe_layer(const Params& p) {
@@ -50,11 +137,14 @@ __device__ void moe_layer(const Params& p) {
   const bool padding = p.padding_marker != nullptr && __ldg(p.padding_marker) < 0;
   const int tokens_in = padding ? 0 : p.num_tokens;
   if (threadIdx.x == 0) {
-    uint32_t e = *ws_ptr<volatile uint32_t>(p, p.ws_off.epoch) + 1;
-    sh.epoch = e == 0 ? 1 : e;  // 0 is the never-signalled value
+    const uint32_t prev = *ws_ptr<volatile uint32_t>(p, p.ws_off.epoch);
+    sh.prev_epoch = prev;
+    sh.epoch = prev + 1 == 0 ? 1 : prev + 1;  // 0 is the never-signalled value
     GemmSmem{0}.init_barriers();
     sh.metrics.zero();
+    sh.released = 0;
   }
+  if (threadIdx.x < p.world_size) sh.combine_chunks[threadIdx.x] = 0;
   load_peer_table(p, sh.peers);  // includes __syncthreads
   const uint32_t epoch = sh.epoch;
   const GemmSmem gemm{epoch};
@@ -67,27 +157,31 @@ __device__ void moe_layer(const Params& p) {
   trace(kTraceStart, epoch);
 
   // 1. Dispatch.
+  zero_call_counters(p);
   busy_start(p, sh.metrics);
-  const int warp_rows_sent = dispatch_tokens<kFp8>(p, sh.peers, tokens_in);
+  const int warp_rows_sent = dispatch_tokens<kFp8>(p, sh.peers, tokens_in, sh.prev_epoch, &sh.released);
   if ((threadIdx.x & 31) == 0) count_metric(p, sh.metrics.rows_sent, warp_rows_sent);  // every lane counted them
   __threadfence_system();  // our NVLink stores are visible before any signal that follows the barrier
   busy_stop(p, sh.metrics);
   trace(kTraceDispatchDone);
   grid_barrier(p, 1, epoch, phase_end_field(p, epoch, kRingDispatchEndNs));
   trace(kTraceBarrier1Done);
+  read_sent_entries(p, sh.sent_entries);
   if (blockIdx.x == 0 && threadIdx.x == 0) {
-    // Puts issued by any block of this PE are delivered (NVLink stores were fenced above). Only with proxied
-    // peers: quiet goes through NVSHMEM's proxy channel, which costs tens of microseconds and varies with the
-    // host thread's scheduling.
+    // Every rank has released the previous call (dispatch_tokens: block 0's last warp waited for it). Puts issued
+    // by any block of this PE are delivered (NVLink stores were fenced above). Only with proxied peers: quiet goes
+    // through NVSHMEM's proxy channel, which costs tens of microseconds and varies with the host thread's
+    // scheduling.
     if (sh.any_proxied) quiet_puts();
-    const uint32_t* send_count = ws_ptr<uint32_t>(p, p.ws_off.rank_send_count);
+    const unsigned long long* send_count = ws_ptr<unsigned long long>(p, p.ws_off.rank_send_count);
     for (int r = 0; r < p.world_size; ++r) {
-      const uint32_t n = __ldcg(send_count + r);
+      const uint32_t n = static_cast<uint32_t>(__ldcg(send_count + r));
       send_signal(p, sh.peers, sym_ptr<uint64_t>(p, p.sym_off.dispatch_signal) + p.rank, r,
                   (static_cast<uint64_t>(epoch) << 32) | n);
       if (r != p.rank)
         count_metric(p, sh.metrics.remote_bytes, static_cast<int64_t>(n) * (dispatch_row_bytes<kFp8>(p) + meta_stride(p.top_k) * 4));
     }
+    *ws_ptr<uint32_t>(p, p.ws_off.epoch) = epoch;  // every block read the previous one before barrier 1
   }
 
   // 2. Receive.
@@ -113,40 +207,24 @@ __device__ void moe_layer(const Params& p) {
   busy_start(p, sh.metrics);
   if (decode_call(sh.table.max_count)) {  // every block reads the same table: all take the same branch
     if (producer) produce_tasks<kFp8, true>(p, gemm, sh.table);
-    else count_metric(p, sh.metrics.remote_bytes, consume_tasks<kFp8, true>(p, sh.peers, sh.any_proxied, gemm, sh.table));
+    else
+      count_metric(p, sh.metrics.remote_bytes,
+                   consume_tasks<kFp8, true>(p, sh.peers, sh.any_proxied, gemm, sh.table, sh.combine_chunks));
   } else {
     if (producer) produce_tasks<kFp8, false>(p, gemm, sh.table);
-    else count_metric(p, sh.metrics.remote_bytes, consume_tasks<kFp8, false>(p, sh.peers, sh.any_proxied, gemm, sh.table));
+    else
+      count_metric(p, sh.metrics.remote_bytes,
+                   consume_tasks<kFp8, false>(p, sh.peers, sh.any_proxied, gemm, sh.table, sh.combine_chunks));
   }
-  __threadfence_system();
+  __threadfence_system();  // this thread's combine-row stores, before the block's arrival counts
   busy_stop(p, sh.metrics);
   __syncthreads();
   trace(kTraceGemmDone);
-  grid_barrier(p, 3, epoch, phase_end_field(p, epoch, kRingGemm1EndNs));
-  trace(kTraceBarrier3Done);
-  if (blockIdx.x == 0 && threadIdx.x == 0) {
-    if (sh.any_proxied) quiet_puts();
-    for (int r = 0; r < p.world_size; ++r)
-      send_signal(p, sh.peers, sym_ptr<uint64_t>(p, p.sym_off.combine_signal) + p.rank, r,
-                  static_cast<uint64_t>(epoch) << 32);
-    // Counters for the next call: their last readers finished before barrier 3.
-    uint32_t* send_count = ws_ptr<uint32_t>(p, p.ws_off.rank_send_count);
-    for (int r = 0; r < p.world_size; ++r) send_count[r] = 0;
-    *ws_ptr<uint32_t>(p, p.ws_off.task_counter) = 0;
-    *ws_ptr<uint32_t>(p, p.ws_off.epoch) = epoch;
-  }
-  if (blockIdx.x == 0) {
-    uint32_t* expert_count = ws_ptr<uint32_t>(p, p.ws_off.expert_count);
-    for (int e = threadIdx.x; e < p.num_local; e += blockDim.x) expert_count[e] = 0;
-    uint32_t* gemm0_done = ws_ptr<uint32_t>(p, p.ws_off.gemm0_done);
-    const int pairs = p.num_local * (p.intermediate_size / kInterMultiple);
-    for (int i = threadIdx.x; i < pairs; i += blockDim.x) gemm0_done[i] = 0;
-    uint32_t* split_arrivals = ws_ptr<uint32_t>(p, p.ws_off.gemm0_split_arrivals);
-    for (int i = threadIdx.x; i < static_cast<int>(gridDim.x) * kSplitRowGroups; i += blockDim.x) split_arrivals[i] = 0;
-  }
+  finish_gemm_phase(p, sh.peers, sh.any_proxied, epoch, sh.combine_chunks);
+  trace(kTraceGemmCounted);
 
   // 4. Combine.
-  wait_combine(p, epoch);
+  wait_combine(p, epoch, sh.sent_entries);
   trace(kTraceCombineWaitDone);
   busy_start(p, sh.metrics);
   combine_tokens(p, padding);

@@ -1,6 +1,6 @@
 // Subscriber: turns signals from peers into work. After every source's dispatch signal for this call has
-// arrived, the received metadata rows become per-expert lists of (row, top-k slot) entries; after every
-// owner's combine signal has arrived, the combine buffer is complete.
+// arrived, the received metadata rows become per-expert lists of (row, top-k slot) entries; once every owner's
+// arrival count matches what this rank sent it, the combine buffer is complete.
 #pragma once
 
 #include "comm.cuh"
@@ -115,12 +115,26 @@ static __device__ void build_expert_lists_in_block(const Params& p, const Receiv
   __syncthreads();  // the counts and this block's list stores, before the table and the GEMM phase read them
 }
 
-// Thread 0 of every block waits for every owner's combine signal (a timeout is recorded, not returned: the
-// block runs on and Python raises).
-static __device__ void wait_combine(const Params& p, uint32_t epoch) {
-  if (threadIdx.x == 0) {
-    const uint64_t* signals = sym_ptr<uint64_t>(p, p.sym_off.combine_signal);
-    for (int r = 0; r < p.world_size; ++r) wait_signal(p, signals + r, epoch, kPhaseCombineWait, r);
+// Warp 1 of every block, after grid barrier 1 (every dispatch add is in): the (row, top-k slot) entries this rank
+// sent each destination (dispatch.cuh), whose rows wait_combine waits to see written back. Read before the block's
+// GEMM phase ends: the last block to end it resets the counts for the next call (moe_layer.cuh finish_gemm_phase).
+static __device__ void read_sent_entries(const Params& p, uint32_t* entries) {
+  if ((threadIdx.x >> 5) != 1) return;
+  const unsigned long long* send_count = ws_ptr<unsigned long long>(p, p.ws_off.rank_send_count);
+  for (int r = threadIdx.x & 31; r < p.world_size; r += 32)
+    entries[r] = static_cast<uint32_t>(__ldcg(send_count + r) >> 32);
+}
+
+// Warp 0 of every block waits until each destination has written back all H features of every entry this rank
+// sent it (lane r: destination r; its count of 16-byte chunks, comm.cuh). A timeout is recorded, not returned: the
+// block runs on and Python raises.
+static __device__ void wait_combine(const Params& p, uint32_t epoch, const uint32_t* sent_entries) {
+  if (threadIdx.x < 32) {
+    const uint64_t* arrivals = sym_ptr<uint64_t>(p, p.sym_off.combine_arrivals);
+    for (int r = threadIdx.x; r < p.world_size; r += 32) {
+      const uint64_t expected = static_cast<uint64_t>(sent_entries[r]) * (p.hidden_size / kCombineChunkFeatures);
+      if (expected != 0) wait_count(p, arrivals + r, expected, epoch, kPhaseCombineWait, r);
+    }
   }
   __syncthreads();
 }

@@ -281,14 +281,16 @@ __device__ __forceinline__ void prefetch_row_entries(const Params& p, const Gemm
                true);
 }
 
-// GEMM1 epilogue of one consumer: its output features of the tile's rows into the owners' combine buffers.
+// GEMM1 epilogue of one consumer: its output features of the tile's rows into the owners' combine buffers,
+// counted per source in `combine_chunks` (the block's; moe_layer.cuh finish_gemm_phase sends them).
 // The row table holds the rows' list entries (prefetch_row_entries).
 // Returns the bytes sent to other ranks (metrics). Proxied rows go out as non-blocking puts from slot
 // `put_tiles % kPutRingTiles` of the block's staging ring; the one quiet that lets the ring be rewritten comes
-// when it wraps, and the GEMM phase's last block quiets once more before the combine signals (moe_layer.cuh).
+// when it wraps, and the GEMM phase's last block quiets once more before it sends the proxied sources their counts
+// (moe_layer.cuh finish_gemm_phase).
 __device__ __forceinline__ int64_t store_outputs(const Params& p, const PeerTable& peers, bool any_proxied,
                                                  const GemmSmem& g, const Task& task, const Staged& staged,
-                                                 int consumer, int& put_tiles) {
+                                                 int consumer, int& put_tiles, uint32_t* combine_chunks) {
   const int tid = threadIdx.x & 127;
   const int k = p.top_k, H = p.hidden_size;
   const int* meta = sym_ptr<int>(p, p.sym_off.recv_meta);
@@ -308,15 +310,21 @@ __device__ __forceinline__ int64_t store_outputs(const Params& p, const PeerTabl
   }
   int64_t remote_bytes = 0;
   cp_async_wait_all();  // this thread's prefetched entry
+  int source = -1;
   if (tid < rows) {  // where each row goes: (source rank, element offset in its combine buffer)
     const int entry = row_rank[tid];
     const int64_t row = entry >> 4;  // source * max_tokens + slot
     const int j = entry & 15;
     const int token = ldcg(meta + row * meta_stride(k));
-    row_rank[tid] = static_cast<int>(row / p.max_tokens_per_rank);
+    source = static_cast<int>(row / p.max_tokens_per_rank);
+    row_rank[tid] = source;
     row_dst[tid] =
         (static_cast<int64_t>(token) * k + j) * H + task.feature_tile * kGemm1TileFeatures + staged.first_feature;
   }
+  // The chunks per source: one shared-memory add per source and warp (rows of one source would contend).
+  const unsigned same_source = __match_any_sync(0xffffffffu, source);
+  if (source >= 0 && __ffs(same_source) - 1 == (tid & 31))
+    atomicAdd(combine_chunks + source, static_cast<uint32_t>(__popc(same_source) * features / kCombineChunkFeatures));
   consumer_sync(consumer);
   const int chunks = features / 8;  // 16-byte chunks per row
   for (int c = tid; c < rows * chunks; c += 128) {
@@ -373,7 +381,7 @@ __device__ __forceinline__ void trace_mma_done(const PipeState& st) {
 // block takes them, split tiles are computed by both.
 template <bool kFp8, bool kDecode>
 __device__ int64_t consume_tasks(const Params& p, const PeerTable& peers, bool any_proxied, const GemmSmem& g,
-                                 const ExpertTable& table) {
+                                 const ExpertTable& table, uint32_t* combine_chunks) {
   const int consumer = threadIdx.x / 128 - 1;
   const TaskCounts& counts = table.counts;
   PipeState st;
@@ -413,7 +421,7 @@ __device__ int64_t consume_tasks(const Params& p, const PeerTable& peers, bool a
       prefetch_row_entries(p, g, task, staged_tokens(task.tile_tokens, kFp8, consumer), consumer);
       const Staged staged = mma_tile_to_staging<false, kFp8, kDecode>(p, g, st, task.tile_tokens, k_steps);
       trace_mma_done(st);
-      remote_bytes += store_outputs(p, peers, any_proxied, g, task, staged, consumer, put_tiles);
+      remote_bytes += store_outputs(p, peers, any_proxied, g, task, staged, consumer, put_tiles, combine_chunks);
     }
     trace(kTraceConsumerEpilogueDone);
   }

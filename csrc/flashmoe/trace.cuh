@@ -30,7 +30,7 @@ enum TraceKind : uint32_t {
   kTraceBarrier2Done = 5,
   kTraceGemmStart = 6,
   kTraceGemmDone = 7,
-  kTraceBarrier3Done = 8,
+  kTraceGemmCounted = 8,  // finish_gemm_phase: the block's arrival counts sent (and, last block, the release)
   kTraceCombineWaitDone = 9,
   kTraceEnd = 10,
   // producer (thread 0) per task: a = task index, b = gemm << 24 | expert, c = feature tile << 16 | N << 8 | rows

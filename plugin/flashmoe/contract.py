@@ -76,12 +76,14 @@ PHASE_COMBINE_WAIT = 2
 PHASE_GRID_BARRIER = 3
 PHASE_GEMM_PIPELINE = 4
 PHASE_EXPERT_READY = 5
+PHASE_RELEASE_WAIT = 6
 PHASES = {
     PHASE_DISPATCH_WAIT: "dispatch signal",
-    PHASE_COMBINE_WAIT: "combine signal",
+    PHASE_COMBINE_WAIT: "combine rows",
     PHASE_GRID_BARRIER: "grid barrier (blocks of this kernel)",
     PHASE_GEMM_PIPELINE: "GEMM pipeline of one block (a kernel bug: please report it)",
     PHASE_EXPERT_READY: "an expert's GEMM0 tiles on other blocks (a kernel bug: please report it)",
+    PHASE_RELEASE_WAIT: "release of the previous call's receive buffers",
 }
 
 # Metrics ring: one record of RING_FIELDS int64 per call, slot = epoch % RING_SLOTS (enum RingField).
