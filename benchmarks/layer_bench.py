@@ -909,7 +909,7 @@ def judge(checked: Check, row: dict, m: ModelState, ranks: Ranks) -> str | None:
         )
         if fp8_within(stats, m.shape.intermediate):
             return None
-        rel_fro, row_rel = fp8_budget(m.shape.intermediate)
+        rel_fro, row_rel, _ = fp8_budget(m.shape.intermediate)
         return (
             f"output differs from {CHECKS[checked.kind]}: rel_fro {stats.rel_fro:.3g} (budget {rel_fro:.3g}), "
             f"worst row {stats.max_row_rel:.3g} (budget {row_rel:.3g}), non-finite {stats.nonfinite}, "
@@ -1210,6 +1210,8 @@ def main(argv=None) -> int:
                 else {
                     "rel_fro": fp8_budget(1)[0],
                     "row_rel": "max(2.5 U, 1.25 / sqrt(I)) (tests/tolerances.py fp8_row_rel)",
+                    "min_rows": "max(16, 4 (row_rel / rel_fro)^2): fewer rows are held to row_rel "
+                    "(tests/tolerances.py fp8_min_rows_for_batch)",
                     "source": "tests/tolerances.py FP8_SAME_ROUNDING_REL_FRO, fp8_row_rel: a kernel against "
                     "the same-rounding fp8 reference, judged over all ranks' rows",
                 },

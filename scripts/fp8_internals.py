@@ -5,7 +5,9 @@ element. Where kernel_check.py says *how far* the fp8 output is from the referen
   same bf16 tokens -- the rule is bit-exact, so any difference is a bug;
 * GEMM0 + SwiGLU + re-quantisation: each (expert, row) activation the kernel stored (workspace, e4m3 + scale
   per 128-group) vs the reference's, computed from the same quantised token: scale ratios, and e4m3 codes that
-  differ by one step (an accumulation-order flip at a rounding boundary) or more (not a flip);
+  differ by one step (an accumulation-order flip at a rounding boundary) or more: near zero (a move below
+  NEAR_ZERO_OF_AMAX of the group's amax, where e4m3's steps are finer than the sums' own perturbation) or not
+  (a defect: the exit status is 1 for those and for any dispatch difference);
 * the output, as kernel_check.py measures it.
 
     python scripts/fp8_internals.py --shape 32,8,2048,768 --tokens 128 [--cpu-reference] [--out X.json]
@@ -28,6 +30,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "scripts"))
 os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(8 << 30))
+
+# The tensor core's block partial sums keep ~13 bits (tests/tolerances.py), so an activation may move by ~2^-13 of
+# its GEMM0 terms, ~2^-12 of its group's amax through the SwiGLU's product; near zero that spans several e4m3 codes
+# (the smallest step is amax / (448 * 512)). A move of more than two codes but at most this much is not a defect.
+NEAR_ZERO_OF_AMAX = 2.0**-10
 
 from flashmoe import buffers  # noqa: E402
 from flashmoe.fp8 import GROUP, dequantize_per_token_group, quantize_per_token_group  # noqa: E402
@@ -141,7 +148,7 @@ def main() -> int:
     step_hist = torch.zeros(
         4, dtype=torch.int64
     )  # |code difference| 0, 1, 2, >2 (same sign, e4m3 code order)
-    scale_ratio_max, scales_differing, elements = 0.0, 0, 0
+    scale_ratio_max, scales_differing, elements, near_zero = 0.0, 0, 0, 0
     rel_to_amax: list[torch.Tensor] = []
     offset = 0
     for e in range(E):
@@ -158,9 +165,14 @@ def main() -> int:
         # e4m3 codes: sign bit 7, magnitude order = code order within a sign.
         a, b = got_q.to(torch.int32), ref_q.view(torch.uint8).to(torch.int32)
         same_sign = (a ^ b) & 0x80 == 0
-        diff = torch.where(same_sign, (a & 0x7F) - (b & 0x7F), (a & 0x7F) + (b & 0x7F)).abs()
+        code_steps = torch.where(same_sign, (a & 0x7F) - (b & 0x7F), (a & 0x7F) + (b & 0x7F)).abs()
         step_hist += torch.stack(
-            [(diff == 0).sum(), (diff == 1).sum(), (diff == 2).sum(), (diff > 2).sum()]
+            [
+                (code_steps == 0).sum(),
+                (code_steps == 1).sum(),
+                (code_steps == 2).sum(),
+                (code_steps > 2).sum(),
+            ]
         ).cpu()
         # Dequantised difference relative to its group's amax (448 * scale): the GEMM0 error, seen through the grid.
         diff = dequantize_per_token_group(
@@ -168,6 +180,7 @@ def main() -> int:
         ) - dequantize_per_token_group(ref_q, ref_s)
         rel = diff.abs().view(n, -1, GROUP) / (448 * ref_s[..., None])
         rel_to_amax.append(rel.flatten())
+        near_zero += int(((code_steps > 2) & (rel.view(n, I) <= NEAR_ZERO_OF_AMAX)).sum())
         ratio = (got_s / ref_s - 1).abs().max().item()
         scale_ratio_max = max(scale_ratio_max, ratio)
         scales_differing += int((got_s != ref_s).sum())
@@ -177,6 +190,7 @@ def main() -> int:
         "entries": offset,
         "elements": elements,
         "code_steps_0_1_2_more": step_hist.tolist(),
+        "more_than_two_near_zero": near_zero,  # of the last count: moves below NEAR_ZERO_OF_AMAX of the amax
         "scales_differing": scales_differing,
         "scale_rel_diff_max": scale_ratio_max,
         "diff_over_group_amax_max_p999_p99": [
@@ -203,7 +217,8 @@ def main() -> int:
     print(json.dumps(report, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
-    bad = report["dispatch"]["codes_differing"] or report["dispatch"]["scales_differing"] or step_hist[3] > 0
+    defects = int(step_hist[3]) - near_zero
+    bad = report["dispatch"]["codes_differing"] or report["dispatch"]["scales_differing"] or defects > 0
     return 1 if bad else 0
 
 

@@ -49,7 +49,7 @@ from moe_bench.ranks import Ranks
 from moe_bench.shapes import ANCHORS, MODELS, ModelShape
 from moe_inputs import random_fp8_expert_weights, random_grouped_hidden
 from multiproc import free_port, run_ranks
-from tolerances import FP8_SAME_ROUNDING_REL_FRO, fp8_row_rel
+from tolerances import FP8_SAME_ROUNDING_REL_FRO, fp8_min_rows_for_batch, fp8_row_rel
 
 CPU = torch.device("cpu")
 SCRIPT = bench_import.BENCH_DIR / "layer_bench.py"
@@ -374,7 +374,7 @@ def test_fp8_check_uses_the_suites_budgets_and_catches_wrong_outputs(gen, one_ra
     m = _tiny_model(gen)
     inputs = _tiny_inputs(m, 24, gen)
     refs = {"reference_fp8": layer_bench.layer_references("reference_fp8", m, inputs, None, 1)}
-    assert check.fp8_budget(128) == (FP8_SAME_ROUNDING_REL_FRO, fp8_row_rel(128))
+    assert check.fp8_budget(128) == (FP8_SAME_ROUNDING_REL_FRO, fp8_row_rel(128), fp8_min_rows_for_batch(128))
 
     def judged(outputs, variant="flashmoe"):
         checked = layer_bench.check_step(variant, outputs, inputs, m, refs, kind="reference_fp8")

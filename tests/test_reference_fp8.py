@@ -38,10 +38,13 @@ from tolerances import (
     E4M3_UNIT_ROUNDOFF,
     FP8_ACTIVATION_QUANTISATION_REL_FRO,
     FP8_ORACLE_REL_FRO,
+    MIN_ROWS_FOR_BATCH_BUDGET,
     ORACLE_REL_FRO,
+    ErrorStats,
     assert_within,
     error_stats,
     fp8_row_rel,
+    kernel_budgets,
 )
 
 FLOOR32 = float(torch.tensor(AMAX_FLOOR, dtype=torch.float32))
@@ -457,3 +460,21 @@ def test_distributed_fp8_equals_single_rank(gen, tmp_path):
             rows = slice(c["offsets"][rank], c["offsets"][rank + 1])
             got = per_rank[rank][name]
             assert got.dtype == torch.bfloat16 and torch.equal(got, single[rows]), f"{name} rank {rank}"
+
+
+def test_few_row_fp8_batches_are_held_to_the_row_budget():
+    """tolerances.py "Few rows": a batch gets the fp8 batch budget only once one row at the row bound takes at
+    most half of it. The Qwen3-30B case seen over budget (16 rows of one expert, kernel_check seed 1795537672)
+    passes as a 16-row batch and would fail as a batch of min_rows rows."""
+    budget = kernel_budgets("fp8", 768)["ref"]
+    assert budget.min_rows == 86
+    one_row = [budget.row_rel / n**0.5 for n in (budget.min_rows, budget.min_rows - 1)]
+    assert one_row[0] <= budget.rel_fro / 2 < one_row[1]
+    err_sq, worst_row = 1.28e-2**2, 2.66e-2
+    assert ErrorStats(err_sq=err_sq, ref_sq=1.0, max_row_rel=worst_row, rows=16).within(*budget)
+    assert not ErrorStats(err_sq=err_sq, ref_sq=1.0, max_row_rel=worst_row, rows=86).within(*budget)
+    over_row = ErrorStats(err_sq=err_sq, ref_sq=1.0, max_row_rel=budget.row_rel * 1.01, rows=16)
+    assert not over_row.within(*budget)  # the rows are still bound
+    large_i = kernel_budgets("fp8", 7168)["oracle"]
+    assert large_i.min_rows == MIN_ROWS_FOR_BATCH_BUDGET  # I = 7168: the bf16 floor
+    assert kernel_budgets("bf16", 768)["ref"].min_rows == MIN_ROWS_FOR_BATCH_BUDGET  # bf16 unchanged

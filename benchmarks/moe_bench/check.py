@@ -68,13 +68,12 @@ def expert_rows_reference(
 # ------------------------------------------------------------------------------------------- fp8
 
 
-def fp8_budget(intermediate: int) -> tuple[float, float]:
-    """(whole-output relative Frobenius budget, any row's budget) of an fp8 output against the fp8
-    reference: ``tests/tolerances.py``'s same-rounding budgets."""
+def fp8_budget(intermediate: int):
+    """(whole-output relative Frobenius budget, any row's budget, rows before the first applies) of an fp8
+    output against the fp8 reference: ``tests/tolerances.py``'s same-rounding :class:`Budget`."""
     from .testsuite import tolerances
 
-    tol = tolerances()
-    return tol.FP8_SAME_ROUNDING_REL_FRO, tol.fp8_row_rel(intermediate)
+    return tolerances().kernel_budgets("fp8", intermediate)["ref"]
 
 
 def error_stats(out: torch.Tensor, ref: torch.Tensor):
