@@ -89,42 +89,38 @@ static __device__ void record_timeout(const Params& p, int phase, int peer, int6
   }
 }
 
-// Spin until (*word >> 32) == epoch; bounded by p.timeout_ns. Returns the word, or 0 after a timeout/abort.
-static __device__ uint64_t wait_signal(const Params& p, const uint64_t* word, uint32_t epoch, int phase, int peer) {
+// Spin until done(*word); bounded by p.timeout_ns. Returns the word, or 0 after a timeout (recorded with `detail`)
+// or an abort.
+template <typename Done>
+static __device__ uint64_t wait_word(const Params& p, const uint64_t* word, Done done, uint32_t epoch, int phase,
+                                     int peer, int64_t detail) {
   stress_delay(peer + 17 * phase);
   const uint64_t start = globaltimer_ns();
   uint32_t spins = 0;
   while (true) {
     const uint64_t v = ld_acquire_sys(word);
-    if (static_cast<uint32_t>(v >> 32) == epoch) return v;
+    if (done(v)) return v;
     if ((++spins & 63) == 0) {
       if (aborted(p)) return 0;
       if (globaltimer_ns() - start > p.timeout_ns) {
-        record_timeout(p, phase, peer, -1, epoch, v);
+        record_timeout(p, phase, peer, detail, epoch, v);
         return 0;
       }
     }
   }
 }
 
-// Spin until *word == target (a count other GPUs add to); bounded like wait_signal. A word past its target is a
-// bug: it never matches, and the timeout report shows the count against the target (detail).
+// A signal: spin until (*word >> 32) == epoch. Returns the word, or 0 after a timeout/abort.
+static __device__ uint64_t wait_signal(const Params& p, const uint64_t* word, uint32_t epoch, int phase, int peer) {
+  return wait_word(p, word, [epoch](uint64_t v) { return static_cast<uint32_t>(v >> 32) == epoch; }, epoch, phase, peer,
+                   -1);
+}
+
+// A count other GPUs add to: spin until *word == target. A word past its target is a bug: it never matches, and the
+// timeout report shows the count against the target (detail).
 static __device__ void wait_count(const Params& p, const uint64_t* word, uint64_t target, uint32_t epoch, int phase,
                                   int peer) {
-  stress_delay(peer + 17 * phase);
-  const uint64_t start = globaltimer_ns();
-  uint32_t spins = 0;
-  while (true) {
-    const uint64_t v = ld_acquire_sys(word);
-    if (v == target) return;
-    if ((++spins & 63) == 0) {
-      if (aborted(p)) return;
-      if (globaltimer_ns() - start > p.timeout_ns) {
-        record_timeout(p, phase, peer, static_cast<int64_t>(target), epoch, v);
-        return;
-      }
-    }
-  }
+  wait_word(p, word, [target](uint64_t v) { return v == target; }, epoch, phase, peer, static_cast<int64_t>(target));
 }
 
 // One warp: wait until every rank has released the previous call's buffers (`prev_epoch`; lane r watches rank r),
