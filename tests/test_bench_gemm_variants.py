@@ -84,6 +84,21 @@ def test_a_diff_whose_context_moved_is_refused(gemm_variants, tmp_path):
         gemm_variants.apply_diff(tmp_path, ok)
 
 
+def test_a_diff_can_add_a_file_but_not_overwrite_one(gemm_variants, tmp_path):
+    # `git diff` (with `git add -N`) writes a new header as a hunk of added lines from /dev/null.
+    (tmp_path / "a.cuh").write_text("one\n")
+    diff = (
+        "diff --git a/new.cuh b/new.cuh\nnew file mode 100644\n--- /dev/null\n+++ b/new.cuh\n@@ -0,0 +1,3 @@\n"
+        "+// role\n+\n+int x;\n"
+        '--- a/a.cuh\n+++ b/a.cuh\n@@ -1 +1,2 @@\n one\n+#include "new.cuh"\n'
+    )
+    gemm_variants.apply_diff(tmp_path, diff)
+    assert (tmp_path / "new.cuh").read_text() == "// role\n\nint x;\n"
+    assert (tmp_path / "a.cuh").read_text() == 'one\n#include "new.cuh"\n'
+    with pytest.raises(AssertionError):  # applied again: the file exists now
+        gemm_variants.apply_diff(tmp_path, diff)
+
+
 def test_trace_option_is_taken_out_of_kernel_checks_arguments(gemm_variants):
     assert gemm_variants.trace_option(["--dtype", "fp8"]) == (None, ["--dtype", "fp8"])
     assert gemm_variants.trace_option(["--dtype", "fp8", "--trace", "8,128", "--replays", "5"]) == (

@@ -47,16 +47,24 @@ def patch(root, rel, old, new):
 
 def apply_diff(root, text):
     """Apply a unified diff (``git diff`` output, paths a/... b/...) to the tree at ``root``: each hunk's old lines
-    (context and removed) must occur exactly once in its file and are replaced by its new lines."""
+    (context and removed) must occur exactly once in its file and are replaced by its new lines. A file the diff
+    adds (``--- /dev/null``, e.g. after ``git add -N``) must not exist yet."""
     files = {}  # path -> list of (old lines, new lines)
+    created = set()  # files the diff adds (``--- /dev/null``)
     path = None
     hunk = None
+    from_null = False
     for line in text.splitlines():
         if line.startswith("+++ "):
             path = line[4:].removeprefix("b/")
             files.setdefault(path, [])
+            if from_null:
+                created.add(path)
             hunk = None
-        elif line.startswith("--- ") or line.startswith("diff --git") or line.startswith("index "):
+        elif line.startswith("--- "):
+            from_null = line[4:].strip() == "/dev/null"
+            hunk = None
+        elif line.startswith("diff --git") or line.startswith("index ") or line.startswith("new file mode"):
             hunk = None
         elif line.startswith("@@"):
             hunk = ([], [])
@@ -72,6 +80,11 @@ def apply_diff(root, text):
     assert files, "no file in the diff"
     for rel, hunks in files.items():
         f = root / rel
+        if rel in created:
+            assert not f.exists(), (rel, "the diff adds a file the tree already has")
+            assert len(hunks) == 1 and not hunks[0][0], (rel, "a new file is one hunk of added lines")
+            f.write_text("\n".join(hunks[0][1]) + "\n")
+            continue
         s = f.read_text()
         for old, new in hunks:
             old_text, new_text = "\n".join(old) + "\n", "\n".join(new) + "\n"
@@ -496,6 +509,37 @@ VARIANTS = {
             "  for (int h = 0; h < kHalves; ++h) fence_accumulators(acc[h]);\n  __syncwarp();\n"
             "  if (lane == 0) mbar_arrive(g.empty(st.stage == 0 ? st.num_stages - 1 : st.stage - 1), kReleases);\n"
             "}\n\n// consume_tile_fp8 for a decode",
+        ),
+    ],
+    # bf16 tiles without their tensor work: each stage still lands and is released, so the phase shows what the
+    # loads and the pipeline take alone (the results are wrong; timing only).
+    "bf16_no_wgmma": [
+        (
+            "csrc/flashmoe/gemm.cuh",
+            """    wgmma_fence();
+#pragma unroll
+    for (int h = 0; h < kHalves; ++h) {
+      const uint64_t a = sw128_desc(stage + (first_row + h * kConsumerRows) * 128);
+#pragma unroll
+      for (int kk = 0; kk < kTileK / 16; ++kk) Wgmma<N>::mma(acc[h], a + 2 * kk, b + 2 * kk, ks > 0 || kk > 0);
+    }
+    wgmma_commit();""",
+            """    (void)b;
+    if (ks == 0) {
+#pragma unroll
+      for (int h = 0; h < kHalves; ++h)
+#pragma unroll
+        for (int i = 0; i < N / 2; ++i) acc[h][i] = 0.f;
+    }""",
+        ),
+    ],
+    # GEMM1 tiles that do not copy their staged rows out to the combine buffers (the arrival counts still go out,
+    # so the call completes): what the copy costs a tile (the results are wrong; timing only).
+    "no_gemm1_copy": [
+        (
+            "csrc/flashmoe/tasks.cuh",
+            "  for (int c = tid; c < rows * chunks; c += 128) {",
+            "  for (int c = tid; c < rows * chunks * 0; c += 128) {",
         ),
     ],
     "fp8_no_wgmma": [
