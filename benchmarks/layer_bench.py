@@ -909,10 +909,11 @@ def judge(checked: Check, row: dict, m: ModelState, ranks: Ranks) -> str | None:
         )
         if fp8_within(stats, m.shape.intermediate):
             return None
-        rel_fro, row_rel, _ = fp8_budget(m.shape.intermediate)
+        budget = fp8_budget(m.shape.intermediate)
         return (
-            f"output differs from {CHECKS[checked.kind]}: rel_fro {stats.rel_fro:.3g} (budget {rel_fro:.3g}), "
-            f"worst row {stats.max_row_rel:.3g} (budget {row_rel:.3g}), non-finite {stats.nonfinite}, "
+            f"output differs from {CHECKS[checked.kind]}: rel_fro {stats.rel_fro:.3g} "
+            f"(budget {budget.batch_rel_fro(stats.rows):.3g} for {stats.rows} rows), "
+            f"worst row {stats.max_row_rel:.3g} (budget {budget.row_rel:.3g}), non-finite {stats.nonfinite}, "
             f"non-zero in all-skipped rows {stats.nonzero_in_zero_rows}"
         )
     row.update(check_rel_l2=ranks.max(checked.rel_l2), check_max_rel=ranks.max(checked.max_rel))

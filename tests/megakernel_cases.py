@@ -70,7 +70,7 @@ from moe_inputs import (
     storage_order,
 )
 from multiproc import RanksTimedOut, apply_rank_env, run_ranks
-from tolerances import WEIGHT_DTYPES, ErrorStats, error_stats, kernel_budgets, repeat_difference
+from tolerances import WEIGHT_DTYPES, Budget, ErrorStats, error_stats, kernel_budgets, repeat_difference
 
 CHECKS = ("matrix", "graph", "determinism", "stress", "put", "nodes", "padding", "timeout")
 
@@ -117,8 +117,8 @@ class MatrixConfig:
     def weight_bytes(self) -> int:
         return _weight_bytes(asdict(self))
 
-    def budgets(self, compare: tuple[str, ...] = ("ref", "oracle")) -> dict[str, tuple[float, float]]:
-        """(rel Frobenius, row rel) budget per comparison, for this configuration's dtype and I."""
+    def budgets(self, compare: tuple[str, ...] = ("ref", "oracle")) -> dict[str, Budget]:
+        """The :class:`~tolerances.Budget` per comparison, for this configuration's dtype and I."""
         budgets = kernel_budgets(self.dtype, self.intermediate)
         return {against: budgets[against] for against in compare}
 
@@ -397,12 +397,12 @@ def finish(
     poisoned: bool,
     stats: dict[str, ErrorStats],
     passed: bool,
-    budgets: dict[str, tuple[float, float]],
+    budgets: dict[str, Budget],
 ) -> dict:
     """Collective: agree on errors and global error measures across ranks, then write this rank's line.
 
     The verdict is global: no rank failed or erred, and the all-reduced errors are within ``budgets``
-    (comparison -> (rel Frobenius, row rel), :meth:`MatrixConfig.budgets`)."""
+    (comparison -> :class:`~tolerances.Budget`, :meth:`MatrixConfig.budgets`)."""
     flags = torch.tensor(
         [float(error is not None or not passed), float(poisoned)], dtype=torch.float64, device=ctx.device
     )
@@ -420,7 +420,7 @@ def finish(
     return record
 
 
-def guarded(ctx: RankContext, record: dict, body, budgets: dict[str, tuple[float, float]]) -> dict:
+def guarded(ctx: RankContext, record: dict, body, budgets: dict[str, Budget]) -> dict:
     """Run ``body() -> (stats, passed, extra)``, catching any error; then :func:`finish` collectively."""
     t0 = time.perf_counter()
     error, poisoned, stats, passed = None, False, {}, False

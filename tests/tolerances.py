@@ -125,6 +125,11 @@ class Budget(NamedTuple):
     row_rel: float
     min_rows: int = MIN_ROWS_FOR_BATCH_BUDGET
 
+    def batch_rel_fro(self, rows: int) -> float:
+        """The batch figure a batch of ``rows`` non-zero rows is held to: ``rel_fro``, or below ``min_rows`` the
+        row budget where that is larger."""
+        return self.rel_fro if rows >= self.min_rows else max(self.rel_fro, self.row_rel)
+
 
 WEIGHT_DTYPES = ("bf16", "fp8")
 
@@ -176,7 +181,7 @@ class ErrorStats:
         return (
             self.nonfinite == 0
             and self.nonzero_in_zero_rows == 0
-            and self.rel_fro <= (rel_fro if self.rows >= min_rows else max(rel_fro, row_rel))
+            and self.rel_fro <= Budget(rel_fro, row_rel, min_rows).batch_rel_fro(self.rows)
             and self.max_row_rel <= row_rel
         )
 
