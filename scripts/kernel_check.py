@@ -61,6 +61,9 @@ SHAPES = {
     "odd": (16, 4, 1152, 320),
     # fp8: 9 and 11 K steps (an fp8 decode stage carries two: odd counts end on a zero step)
     "odd-k": (16, 4, 1152, 1408),
+    # bf16 prefill: wide GEMM1 tiles (H a multiple of 256) over 7 K steps, narrow GEMM0 ones (I = 448 is not a
+    # multiple of 128); odd-k is the other way round (scheduler.cuh wide_gemm)
+    "wide-h": (16, 4, 1024, 448),
 }
 CHECKS = [  # shape, tokens, routing
     ("small", 7, "uniform"),
@@ -81,6 +84,11 @@ CHECKS = [  # shape, tokens, routing
     ("qwen3-30b/ep4", 1000, "uniform"),
     ("qwen3-235b/ep4", 64, "uniform"),
     ("dsv3/ep4", 33, "uniform"),
+    # bf16 wide calls (an expert of > 64 rows, more 64-feature GEMM0 tiles than blocks): experts of every size, a
+    # few rows ones included, on wide tiles; GEMM0 only; GEMM1 only
+    ("qwen3-235b/ep4", 1024, "zipf"),
+    ("odd-k", 1024, "uniform"),
+    ("wide-h", 1024, "zipf"),
     ("small", 64, "duplicates"),
     ("odd", MAX_TOKENS, "duplicates"),  # repeated ids at full capacity: each (row, expert) computed once
 ]

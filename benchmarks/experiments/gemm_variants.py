@@ -385,9 +385,9 @@ VARIANTS = {
         _PRODUCER_WAIT_UNTIMED,
         (
             "csrc/flashmoe/gemm.cuh",
-            "      if (tid == 0) {\n        mbar_arrive_expect_tx(full, kSteps * kStageWeightBytes);\n",
+            "      if (tid == 0) {\n        mbar_arrive_expect_tx(full, kSteps * kWeightBytes);\n",
             "      if (tid == 0) {\n        const uint64_t wait_start = trace_clock();\n"
-            "        mbar_arrive_expect_tx(full, kSteps * kStageWeightBytes);\n",
+            "        mbar_arrive_expect_tx(full, kSteps * kWeightBytes);\n",
         ),
         (
             "csrc/flashmoe/gemm.cuh",
@@ -538,8 +538,13 @@ VARIANTS = {
     "no_gemm1_copy": [
         (
             "csrc/flashmoe/tasks.cuh",
-            "  for (int c = tid; c < rows * chunks; c += 128) {",
-            "  for (int c = tid; c < rows * chunks * 0; c += 128) {",
+            "    for (int c = tid; c < rows * chunks; c += 128) {",
+            "    for (int c = tid; c < rows * chunks * 0; c += 128) {",
+        ),
+        (  # wide tiles (bf16 prefill)
+            "csrc/flashmoe/tasks.cuh",
+            "    for (int c = tid; c < rows * kPairs; c += 128) {",
+            "    for (int c = tid; c < rows * kPairs * 0; c += 128) {",
         ),
     ],
     "fp8_no_wgmma": [

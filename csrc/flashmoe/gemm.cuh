@@ -15,7 +15,7 @@
 //                   wgmma on it completed. Decode tiles (N <= 64) are ping-pong: the two warpgroups take
 //                   turns, each computing all 128 rows of its tile while the other runs its previous tile's
 //                   epilogue and next-task bookkeeping, so some warpgroup always drains the ring and the SM
-//                   keeps streaming across tile boundaries. Wide tiles (N = 128) are split: 64 rows each.
+//                   keeps streaming across tile boundaries. 128-token tiles are split: 64 rows each.
 //
 // fp8 tiles stream 128-byte rows too (128 e4m3 of K per K step, one scale block), so a step has the bytes and swizzle
 // of a bf16 one (a decode stage carries two steps, stage_k_steps). Each stage also carries its scales (a float per
@@ -29,6 +29,13 @@
 // holds 32 tokens and needs 64 (the instruction stream that bounded the swap-AB 128-token stage,
 // benchmarks/kernel-notes.md). Its GEMM0 epilogue stages 128 tokens x 128 fp32 features (66 KiB), which leaves 4
 // stages.
+//
+// bf16 prefill tiles are wide (scheduler.cuh wide_call): a 128-token tile's stage holds 256 weight rows (two boxes:
+// GEMM0 128 intermediate features, GEMM1 256 output features) beside its token rows, 48 KiB for twice the tensor
+// work of a 128-row tile's 32 KiB stage, whose loads bounded it (the SMs' L2 rate, benchmarks/kernel-notes.md). Each
+// consumer computes all 128 tokens of one box (two 64-row halves, 128 fp32 accumulators) and stages its rows in its
+// own box of the tile's last stage (GEMM0: 64 SwiGLU features, 16 KiB) or last two (GEMM1: 128 output features, a
+// 64-feature half in each), which it releases only after the copy-out: 4 stages of 48 KiB fill the pool.
 //
 // The pipeline is drained only when the tile width changes (the stage pool is re-carved, PipeState::enter);
 // otherwise the producer runs ahead into the next tile while the consumers run an epilogue. Tasks (tasks.cuh)
@@ -69,6 +76,11 @@ constexpr int kEmptyArrivals = kConsumers * 4;       // every consumer warp once
 __host__ __device__ constexpr bool token_major(int n, bool fp8) { return fp8 && n == kMaxTileTokens; }
 // bf16 staging row stride of a token-major consumer: its 64 tokens x the tile's 128 features, padded by 16 B.
 constexpr int kTokenMajorStride = kTileWeightRows + 8;
+
+// A wide stage (bf16, 128 tokens): two weight boxes of 128 rows, then the token rows.
+constexpr int kWideBoxes = 2;
+constexpr int kWideStageBytes = kWideBoxes * kStageWeightBytes + kMaxTileTokens * kRowBytesK;  // 48 KiB
+constexpr int kWideTokensOffset = kWideBoxes * kStageWeightBytes;
 
 // Whether tiles of width n are ping-pong (one warpgroup per tile) or split (both warpgroups, 64 rows each):
 // a ping-pong warpgroup holds 128 x n fp32 accumulators, which fits the register budget up to n = 64 (bf16)
@@ -185,6 +197,14 @@ static_assert(stage_bytes(16, false) % 1024 == 0 && stage_bytes(16, true) % 1024
                   stage_bytes(32, false) % 1024 == 0 && stage_bytes(64, false) % 1024 == 0 &&
                   stage_bytes(128, false) % 1024 == 0,
               "stages stay 1024-byte aligned");
+// Wide stages take the whole pool: their epilogue staging is the tile's last stages (see the top of this file).
+constexpr int kWideStages = kStagePoolBytes / kWideStageBytes < kMaxStages ? kStagePoolBytes / kWideStageBytes : kMaxStages;
+static_assert(kWideStages == 4 && kWideStageBytes % 1024 == 0, "wide stages: 4 of 48 KiB, 1024-byte aligned");
+static_assert(kWideStages * kWideStageBytes <= kStagePoolBytes, "wide stages fit the pool");
+// A consumer's wide staging area (128 token rows of 64 bf16 features, 128 B each) is its own box of a held stage.
+constexpr int kWideStagingFeatures = kStageWeightBytes / (kMaxTileTokens * 2);
+static_assert(kWideStagingFeatures == kInterMultiple && kWideStagingFeatures == kConsumerRows,
+              "a wide staging area: a GEMM0 consumer's 64 SwiGLU features, a GEMM1 half's 64 output features");
 static_assert(fp8_staging_bytes(16) / kConsumers >= 16 * kFp8StagingStride * 4 &&
                   fp8_staging_bytes(16) / kConsumers >= 16 * staging_stride(16, true) * 2 &&
                   fp8_staging_bytes(32) / kConsumers >= 32 * kFp8StagingStride * 4 &&
@@ -207,6 +227,11 @@ struct GemmSmem {
     return reinterpret_cast<char*>(a);
   }
   __device__ char* stage(int s, int n, bool fp8) const { return base() + kPoolOffset + s * stage_bytes(n, fp8); }
+  __device__ char* wide_stage(int s) const { return base() + kPoolOffset + s * kWideStageBytes; }
+  // A consumer's wide staging area: its box of wide stage s (one the tile holds until the copy-out).
+  __device__ bf16* wide_staging(int s, int consumer) const {
+    return reinterpret_cast<bf16*>(wide_stage(s) + consumer * kStageWeightBytes);
+  }
   // The stage pool, free before the GEMM phase: scratch for the receive phase (subscriber.cuh).
   __device__ char* pool() const { return base() + kPoolOffset; }
   __device__ char* staging_base(int n, bool fp8) const {
@@ -283,7 +308,7 @@ __device__ __forceinline__ void consumers_sync() {
 struct PipeState {
   int stage = 0;
   int num_stages = 0;
-  int tile_tokens = 0;      // N the pool is carved for; 0 before the first tile
+  int carving = 0;          // N the pool is carved for (-N: wide stages); 0 before the first tile
   uint32_t parity = 0;      // bit s: how many times stage s was used, mod 2
 #if FLASHMOE_TRACE
   uint64_t trace_wait = 0;        // cycles the current tile spent waiting on pipeline barriers (all passes)
@@ -293,12 +318,13 @@ struct PipeState {
   // At the start of every tile (producer and consumers alike): a tile of another width re-carves the pool.
   // Both sides then meet at a block barrier: the consumers arrive after the previous tile's epilogue, the
   // producer after issuing that tile's loads, so no stage or staging byte of the old carving is in use.
-  template <bool kFp8>
+  template <bool kFp8, bool kWide = false>
   __device__ void enter(int n) {
-    if (n == tile_tokens) return;
+    const int want = kWide ? -n : n;
+    if (want == carving) return;
     gemm_block_sync();
-    tile_tokens = n;
-    num_stages = stages_for(n, kFp8);
+    carving = want;
+    num_stages = kWide ? kWideStages : stages_for(n, kFp8);
     stage = 0;
   }
   __device__ uint32_t phase() const { return parity >> stage & 1u; }
@@ -351,15 +377,19 @@ __device__ __forceinline__ void with_tile_tokens(int n, F&& f) {
 // or, where `real` is false (a zero step past k_steps, see stage_k_steps), a box past the tensor's K and
 // zero-filled scales. `rows_ready(ks)` returns once the token rows' K step ks may be read (all producer threads;
 // the weights of that step are already on their way). All 128 producer threads call it with the same
-// arguments. A stage takes stage_k_steps(n, kFp8) K steps.
-template <bool kFp8, bool kDecode, typename RowAt, typename ScaleAt, typename IssueWeights, typename RowsReady>
+// arguments. A stage takes stage_k_steps(n, kFp8) K steps. kWide: a wide tile (n = 128, bf16), whose
+// issue_weights loads both boxes of the stage (kWideBoxes x kStageWeightBytes).
+template <bool kFp8, bool kDecode, bool kWide = false, typename RowAt, typename ScaleAt, typename IssueWeights,
+          typename RowsReady>
 __device__ __forceinline__ void produce_tile(const Params& p, const GemmSmem& g, PipeState& st, int n, int rows,
                                              int k_steps, RowAt row_at, ScaleAt scale_at, IssueWeights issue_weights,
                                              RowsReady rows_ready) {
-  with_tile_tokens<kDecode>(n, [&](auto tile) {
+  static_assert(!kWide || (!kFp8 && !kDecode), "wide tiles: bf16 prefill");
+  const auto body = [&](auto tile) {
     constexpr int N = decltype(tile)::value;
     constexpr int kSteps = stage_k_steps(N, kFp8);
-    st.enter<kFp8>(N);
+    constexpr int kWeightBytes = (kWide ? kWideBoxes : 1) * kStageWeightBytes;
+    st.enter<kFp8, kWide>(N);
     const int tid = threadIdx.x;  // 0..127
     const int chunk = tid & 7;    // 16-byte chunk of the 128-byte row
     const char* row[N / 16];      // this thread's rows: tile rows (tid / 8) + 16 i
@@ -380,11 +410,11 @@ __device__ __forceinline__ void produce_tile(const Params& p, const GemmSmem& g,
       pipe_wait(p, g, g.empty(st.stage), st.phase() ^ 1u);
       waited += trace_clock() - wait_start;
       if (ks == 0) trace(kTraceProducerFirstSlot);
-      char* stage = g.stage(st.stage, N, kFp8);
+      char* stage = kWide ? g.wide_stage(st.stage) : g.stage(st.stage, N, kFp8);
       uint64_t* full = g.full(st.stage);
       const uint32_t scales = smem_addr(g.scales(st.stage));
       if (tid == 0) {
-        mbar_arrive_expect_tx(full, kSteps * kStageWeightBytes);
+        mbar_arrive_expect_tx(full, kSteps * kWeightBytes);
 #pragma unroll
         for (int j = 0; j < kSteps; ++j)
           issue_weights(stage + stage_weights_offset(j), full, ks + j, scales + weight_scale_slot(j) * 4,
@@ -395,7 +425,7 @@ __device__ __forceinline__ void produce_tile(const Params& p, const GemmSmem& g,
       for (int j = 0; j < kSteps; ++j) {
         const bool real = kSteps == 1 || ks + j < k_steps;  // else the zero step of an odd tile
         if (real) rows_ready(ks + j);
-        const uint32_t tokens = smem_addr(stage + stage_tokens_offset(N, kFp8, j));
+        const uint32_t tokens = smem_addr(stage + (kWide ? kWideTokensOffset : stage_tokens_offset(N, kFp8, j)));
 #pragma unroll
         for (int i = 0; i < N / 16; ++i) {
           const int r = (tid >> 3) + 16 * i;
@@ -414,7 +444,9 @@ __device__ __forceinline__ void produce_tile(const Params& p, const GemmSmem& g,
       if (ks == 0) trace(kTraceProducerFirstIssue);
     }
     trace(kTraceProducerLastIssue, static_cast<uint32_t>(waited));
-  });
+  };
+  if constexpr (kWide) body(std::integral_constant<int, kMaxTileTokens>{});
+  else with_tile_tokens<kDecode>(n, body);
 }
 
 // Consumers: wait until the current stage has landed (trace builds time the wait), then make its cp.async
@@ -446,22 +478,33 @@ __device__ __forceinline__ void wait_stage_full(const Params& p, const GemmSmem&
   fence_proxy_async();
 }
 
+// The stages a wide tile holds for its epilogue's staging: the last (held[1]) and, GEMM1, the one before (held[0]).
+struct HeldStages {
+  int held[2] = {-1, -1};
+};
+
 // Consumer side of one tile: acc[h] = 64 weight rows x N tokens over K, for the consumer's kHalves row halves
-// (ping-pong: both halves of the tile; split: the consumer's own half).
-template <int N, int kHalves = ping_pong(N, false) ? 2 : 1>
-__device__ __forceinline__ void consume_tile(const Params& p, const GemmSmem& g, PipeState& st, int k_steps,
-                                             float (&acc)[kHalves][N / 2]) {
+// (ping-pong: both halves of the tile; split: the consumer's own half; wide: both halves of the consumer's box).
+// A wide tile's last kHold stages are not released: they hold the consumer's staging until the epilogue has copied
+// it out (release_wide_stage); k_steps >= kHold.
+template <int N, int kHalves = ping_pong(N, false) ? 2 : 1, bool kWide = false, int kHold = kWide ? 1 : 0>
+__device__ __forceinline__ HeldStages consume_tile(const Params& p, const GemmSmem& g, PipeState& st, int k_steps,
+                                                   float (&acc)[kHalves][N / 2]) {
+  static_assert(!kWide || (N == kMaxTileTokens && kHalves == 2), "a wide consumer: both halves of its box, 128 tokens");
+  static_assert(kWide ? kHold == 1 || kHold == 2 : kHold == 0, "only wide tiles hold stages");
   const int consumer = threadIdx.x / 128 - 1;
   const bool warp_leader = (threadIdx.x & 31) == 0;
-  // A split stage is released by all 8 consumer warps, a ping-pong stage by its owner's 4 warps, twice each.
-  constexpr uint32_t kReleases = kHalves == 2 ? 2 : 1;
-  const uint32_t first_row = kHalves == 2 ? 0 : consumer * kConsumerRows;
+  // Both consumers take every stage of a split or wide tile: all 8 consumer warps release it once. A ping-pong
+  // stage is released by its owner's 4 warps, twice each.
+  constexpr bool kPingPong = kHalves == 2 && !kWide;
+  constexpr uint32_t kReleases = kPingPong ? 2 : 1;
+  const uint32_t first_row = kWide ? consumer * kTileWeightRows : kHalves == 2 ? 0 : consumer * kConsumerRows;
   int previous = -1;
   int ks = 0;
   do {  // k_steps >= 1 (K is a multiple of kTileK); a do-loop keeps ptxas's wgmma pipeline analysis simple
-    wait_stage_full<kHalves == 2>(p, g, st, ks);
-    const uint32_t stage = smem_addr(g.stage(st.stage, N, false));
-    const uint64_t b = sw128_desc(stage + kStageWeightBytes);
+    wait_stage_full<kPingPong>(p, g, st, ks);
+    const uint32_t stage = smem_addr(kWide ? g.wide_stage(st.stage) : g.stage(st.stage, N, false));
+    const uint64_t b = sw128_desc(stage + (kWide ? kWideTokensOffset : kStageWeightBytes));
     wgmma_fence();
 #pragma unroll
     for (int h = 0; h < kHalves; ++h) {
@@ -471,14 +514,29 @@ __device__ __forceinline__ void consume_tile(const Params& p, const GemmSmem& g,
     }
     wgmma_commit();
     wgmma_wait<1>();  // the previous step's wgmma is done: its stage can be refilled
-    if (previous >= 0 && warp_leader) mbar_arrive(g.empty(previous), kReleases);
+    if (previous >= 0 && (kHold < 2 || ks + 1 < k_steps) && warp_leader) mbar_arrive(g.empty(previous), kReleases);
     previous = st.stage;
     st.advance();
   } while (++ks < k_steps);
   wgmma_wait<0>();
 #pragma unroll
   for (int h = 0; h < kHalves; ++h) fence_accumulators(acc[h]);
-  if (previous >= 0 && warp_leader) mbar_arrive(g.empty(previous), kReleases);
+  HeldStages out;
+  if constexpr (kHold == 0) {
+    if (previous >= 0 && warp_leader) mbar_arrive(g.empty(previous), kReleases);
+  } else {
+    out.held[1] = previous;
+    if constexpr (kHold == 2) out.held[0] = previous == 0 ? st.num_stages - 1 : previous - 1;  // the ring's order
+  }
+  return out;
+}
+
+// A consumer's release of a stage a wide tile held, once its epilogue has read its staging there: its generic
+// stores and loads are ordered before the TMA writes of the stage's next fill (async proxy), which follow the release.
+__device__ __forceinline__ void release_wide_stage(const GemmSmem& g, int stage) {
+  fence_proxy_async();
+  __syncwarp();
+  if ((threadIdx.x & 31) == 0) mbar_arrive(g.empty(stage), 1);
 }
 
 // fp8 consumer side of one swap-AB tile (N <= 64): each K step (one 128-K scale block) accumulates into fresh
@@ -708,6 +766,57 @@ __device__ __forceinline__ void store_swiglu(const float (&acc)[N / 2], T* stagi
   }
 }
 
+// store_swiglu for a wide consumer: half h's 32 features at column 32 h of 128-byte staging rows (64 features per
+// token), whose 16-byte chunks are XOR-swizzled by token row (chunk q of row t at q ^ (t % 8)). The rows fill the
+// consumer's 16 KiB box without padding, and a warp's stores still fall on distinct banks: its 8 features share a
+// chunk, its 4 tokens (8 j + 2 (l % 4)) land on 4 different ones. wide_chunk reads them back. A thread's rows
+// t + 8 j keep their swizzle for every j, so its two addresses are computed once (32-bit shared-memory ones).
+__device__ __forceinline__ int wide_chunk(int row, int chunk) { return row * (kInterMultiple / 8) + (chunk ^ (row & 7)); }
+constexpr int kWideRowGroupBytes = 8 * kInterMultiple * 2;  // 8 staging rows: the step between a thread's token groups
+__device__ __forceinline__ void store_swiglu_wide(const float (&acc)[kMaxTileTokens / 2], uint32_t staging, int column) {
+  const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
+  const int f = column + 8 * warp + (lane >> 2);
+  const int t = 2 * (lane & 3);
+  const uint32_t even = staging + (wide_chunk(t, f >> 3) * 8 + (f & 7)) * 2;
+  const uint32_t odd = staging + (wide_chunk(t + 1, f >> 3) * 8 + (f & 7)) * 2;
+#pragma unroll
+  for (int j = 0; j < kMaxTileTokens / 8; ++j) {
+    st_shared_bf16(even + j * kWideRowGroupBytes, silu(acc[4 * j]) * acc[4 * j + 2]);
+    st_shared_bf16(odd + j * kWideRowGroupBytes, silu(acc[4 * j + 1]) * acc[4 * j + 3]);
+  }
+}
+
+// store_plain for a wide GEMM1 consumer: one half's 64 output features into a staging area of 128-byte rows in
+// feature pairs: warp w's 16 features 16 w + i (i < 16) fill the row's pair region w (chunks 2 w and 2 w + 1,
+// swizzled as store_swiglu_wide's), whose word i (i < 8) packs features 16 w + i and 16 w + i + 8, the two values a
+// thread holds for a token. One 4-byte store per pair (wide_pair_chunks unpacks them); with a 2-byte store per
+// value, ptxas serialised the mainloop's wgmmas (C7514).
+__device__ __forceinline__ int wide_pair_word(int row, int pair, int word) {  // 4-byte word index in the area
+  return wide_chunk(row, 2 * pair + (word >> 2)) * 4 + (word & 3);
+}
+__device__ __forceinline__ void store_plain_wide(const float (&acc)[kMaxTileTokens / 2], uint32_t staging) {
+  const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
+  const int t = 2 * (lane & 3);
+  const uint32_t even = staging + wide_pair_word(t, warp, lane >> 2) * 4;
+  const uint32_t odd = staging + wide_pair_word(t + 1, warp, lane >> 2) * 4;
+#pragma unroll
+  for (int j = 0; j < kMaxTileTokens / 8; ++j) {
+    st_shared_bf16x2(even + j * kWideRowGroupBytes, acc[4 * j], acc[4 * j + 2]);
+    st_shared_bf16x2(odd + j * kWideRowGroupBytes, acc[4 * j + 1], acc[4 * j + 3]);
+  }
+}
+
+// A GEMM1 staging area's pair region `pair` of row `row` as its two output chunks: features 16 pair + 0..7 (lo) and
+// + 8..15 (hi).
+__device__ __forceinline__ void wide_pair_chunks(const bf16* area, int row, int pair, uint4& lo, uint4& hi) {
+  const uint4 a = *reinterpret_cast<const uint4*>(area + wide_chunk(row, 2 * pair) * 8);      // words 0-3
+  const uint4 b = *reinterpret_cast<const uint4*>(area + wide_chunk(row, 2 * pair + 1) * 8);  // words 4-7
+  lo = make_uint4(__byte_perm(a.x, a.y, 0x5410), __byte_perm(a.z, a.w, 0x5410), __byte_perm(b.x, b.y, 0x5410),
+                  __byte_perm(b.z, b.w, 0x5410));
+  hi = make_uint4(__byte_perm(a.x, a.y, 0x7632), __byte_perm(a.z, a.w, 0x7632), __byte_perm(b.x, b.y, 0x7632),
+                  __byte_perm(b.z, b.w, 0x7632));
+}
+
 // Plain row half: its 64 features at staging column `column`.
 template <int N>
 __device__ __forceinline__ void store_plain(const float (&acc)[N / 2], bf16* staging, int stride, int column) {
@@ -865,6 +974,7 @@ struct Staged {
   const bf16* rows;  // null: a split GEMM0 tile whose epilogue another split runs
   int stride, features, first_feature;
   TokenRange tokens{};
+  const bf16* rows_hi = nullptr;  // a wide GEMM1 consumer's features 64..127 (its other staging area)
 };
 
 struct TileDone {
@@ -892,8 +1002,29 @@ FLASHMOE_MAINLOOP TileDone mma_tile_to_staging(const Params& p, const GemmSmem g
   return TileDone{st, true};
 }
 
+// A wide tile (bf16, 128 tokens, 256 weight rows): this consumer's box into its staging in the stages the tile
+// holds (release_wide_stage after the copy-out). GEMM0 (kGateUp): 128 tokens x 64 SwiGLU features in the last
+// stage; GEMM1: 128 tokens x 128 output features, the first 64 in the stage before the last, the others in the
+// last. Never split: its 128 sums per thread do not fit a split slot (scheduler.cuh task_counts).
+struct WideDone {
+  PipeState st;
+  HeldStages stages;
+};
+template <bool kGateUp>
+FLASHMOE_MAINLOOP WideDone mma_wide_tile_to_staging(const Params& p, const GemmSmem g, PipeState st, int k_steps) {
+  const int consumer = threadIdx.x / 128 - 1;
+  float acc[2][kMaxTileTokens / 2];
+  const HeldStages held = consume_tile<kMaxTileTokens, 2, true, kGateUp ? 1 : 2>(p, g, st, k_steps, acc);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    if constexpr (kGateUp) store_swiglu_wide(acc[h], smem_addr(g.wide_staging(held.held[1], consumer)), h * kConsumerRows / 2);
+    else store_plain_wide(acc[h], smem_addr(g.wide_staging(held.held[h], consumer)));
+  }
+  return WideDone{st, held};
+}
+
 // Whether a split fp8 GEMM0 task of width n fits its sums (both passes') in a split slot: not at 128 tokens, so
-// the scheduler never splits a call's GEMM0 tiles when one of them is that wide (scheduler.cuh task_counts).
+// the scheduler never splits a call's GEMM0 tiles when one of them has 128 (scheduler.cuh task_counts).
 __host__ __device__ constexpr bool fp8_gemm0_splittable(int n) {
   return kFp8Gemm0Passes * (ping_pong(n, true) ? 2 : 1) * (n / 2) * 128 <= kSplitSlotFloats;
 }

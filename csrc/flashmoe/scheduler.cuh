@@ -1,8 +1,9 @@
 // Task scheduler of the GEMM phases. After the receive phase every block knows the per-expert row counts and
 // builds the same prefix table in shared memory. The work is one flat list of tasks:
 //
-//   [0, n0)        GEMM0 tasks: (expert, feature tile of 64 intermediate features (fp8: 128), token tile)
-//   [n0, n0 + n1)  GEMM1 tasks: (expert, feature tile of 128 hidden features, token tile)
+//   [0, n0)        GEMM0 tasks: (expert, feature tile of 64 intermediate features (fp8, and bf16 wide calls: 128),
+//                  token tile)
+//   [n0, n0 + n1)  GEMM1 tasks: (expert, feature tile of 128 hidden features (bf16 wide calls: 256), token tile)
 //
 // each expert-major, then feature tile, then token tile fastest (the token tiles of one weight tile run at
 // the same time on neighbouring blocks, so weights stream from HBM once per call). Block b's first task is
@@ -16,6 +17,13 @@
 // Each expert gets the smallest token tile that holds its rows (32, 64, else 128-row tiles; 16 in a call
 // where every expert fits 16, gemm.cuh call_tile_tokens), so decode experts with a handful of rows cost one
 // weight pass.
+//
+// bf16 prefill calls run wide tiles (gemm.cuh): every tile of such a call is 128 tokens x 256 weight rows (GEMM0 128
+// features, GEMM1 256), an expert with fewer rows included (its one tile's weights stream once either way), so the
+// call's tasks stay a product of token tiles and feature tiles. A call is wide when some expert has more than 64
+// rows and its 64-feature GEMM0 tiles would take the blocks more than once (wide_call): with fewer, the narrow tiles
+// all run at once (or split), and half as many wide ones would leave blocks idle. Each GEMM is wide where its
+// shape divides (wide_gemm).
 //
 // Small T: a call whose GEMM0 tiles leave blocks idle (a DP decode step at c = 1: 2-4 experts per rank, 24-48
 // tiles of 512 KiB for 132 SMs; fp8 at T = 1 and EP4: 48 tasks) streams GEMM0, the critical path, at a few SMs'
@@ -38,6 +46,8 @@ struct TaskCounts {
   int feature_tiles[2];  // per GEMM
   int k_steps[2];        // K steps of a whole tile, per GEMM
   int split_k_first[kMaxGemm0Splits + 1];  // first K step of each split of a GEMM0 tile; [gemm0_splits] = k_steps[0]
+  int gemm0_counters;    // GEMM0 completion counters per expert: one per GEMM1 K step (bf16: 64 features)
+  bool wide[2];          // bf16, per GEMM: this call's tiles are wide (128 tokens x 256 weight rows)
 };
 
 struct ExpertTable {
@@ -68,6 +78,7 @@ struct Task {
   int split;         // which of `splits` K ranges of its tile (GEMM0), else 0 of 1
   int splits;
   int tile;          // GEMM0: the tile's index among the call's GEMM0 tiles (unsplit)
+  bool wide;         // a wide bf16 tile (gemm.cuh): 128 tokens x 256 weight rows
 };
 
 constexpr int kGemm0TileFeatures = kInterMultiple;   // 64 intermediate features (x2 rows: gate and up)
@@ -75,6 +86,24 @@ constexpr int kGemm1TileFeatures = kHiddenMultiple;  // 128 hidden features
 // Intermediate features of a GEMM0 task: one weight tile (bf16), or an activation group of two (fp8: the
 // epilogue quantises each token's 128 features with one scale, so one task computes them all).
 __host__ __device__ constexpr int gemm0_task_features(bool fp8) { return fp8 ? kTileKFp8 : kGemm0TileFeatures; }
+constexpr int kWideGemm0Features = kWideBoxes * kGemm0TileFeatures;  // a wide bf16 GEMM0 task: two w13 boxes
+constexpr int kWideGemm1Features = kWideBoxes * kGemm1TileFeatures;  // a wide bf16 GEMM1 task: two w2 boxes
+
+// Whether a bf16 call is wide: some expert has a 128-token tile, and its `narrow_tiles` GEMM0 tiles of 64 features
+// are more than the blocks. Decode calls never are (their experts fit 16 rows).
+__host__ __device__ constexpr bool wide_call(int max_rows, int narrow_tiles, int blocks) {
+  return call_tile_tokens(max_rows, max_rows) == kMaxTileTokens && narrow_tiles > blocks;
+}
+// Whether GEMM `gemm` of a wide call runs wide tiles: its output features are whole wide tasks; GEMM1 also needs two
+// K steps (its consumers hold the last two stages, gemm.cuh).
+__host__ __device__ constexpr bool wide_gemm(int gemm, int hidden_size, int intermediate_size) {
+  return gemm == 0 ? intermediate_size % kWideGemm0Features == 0
+                   : hidden_size % kWideGemm1Features == 0 && intermediate_size >= 2 * kTileK;
+}
+static_assert(wide_call(65, 384, 132) && !wide_call(64, 384, 132) && !wide_call(100, 12, 132) &&
+                  !wide_call(100, 132, 132) && wide_gemm(0, 2048, 768) && !wide_gemm(0, 2048, 704) &&
+                  wide_gemm(1, 2048, 768) && !wide_gemm(1, 7168 + 128, 768) && !wide_gemm(1, 2048, 64),
+              "wide tile rule");
 
 // Fewest stages of a split task: a shorter task spends more of itself filling the ring and in its epilogue. A
 // bf16 GEMM0 task runs one stage per K step, an fp8 one a stage per K step of each of its passes.
@@ -124,14 +153,18 @@ static_assert(split_tile_of(125, 3, split_reciprocal(3)) == 41 && split_tile_of(
 template <bool kFp8>
 __device__ __forceinline__ TaskCounts task_counts(const Params& p, const ExpertTable& t) {
   TaskCounts c;
-  c.feature_tiles[0] = p.intermediate_size / gemm0_task_features(kFp8);
-  c.feature_tiles[1] = p.hidden_size / kGemm1TileFeatures;
+  c.gemm0_counters = p.intermediate_size / gemm0_task_features(kFp8);
+  const bool wide = !kFp8 && wide_call(t.max_count, t.tile_offset[p.num_local] * c.gemm0_counters,
+                                          static_cast<int>(gridDim.x));
+  for (int gemm = 0; gemm < 2; ++gemm) c.wide[gemm] = wide && wide_gemm(gemm, p.hidden_size, p.intermediate_size);
+  c.feature_tiles[0] = c.wide[0] ? p.intermediate_size / kWideGemm0Features : c.gemm0_counters;
+  c.feature_tiles[1] = p.hidden_size / (c.wide[1] ? kWideGemm1Features : kGemm1TileFeatures);
   c.k_steps[0] = p.hidden_size / tile_k(kFp8);
   c.k_steps[1] = p.intermediate_size / tile_k(kFp8);
   const int tiles0 = t.tile_offset[p.num_local] * c.feature_tiles[0];
-  // fp8: a 128-token tile's sums do not fit a split slot, so a call with one is not split (prefill-sized
-  // experts: such calls rarely leave blocks idle anyway).
-  const bool splittable = !kFp8 || fp8_gemm0_splittable(call_tile_tokens(t.max_count, t.max_count));
+  // fp8: a 128-token tile's sums do not fit a split slot, nor do a wide bf16 tile's, so a call with one is not
+  // split (prefill-sized experts: such calls rarely leave blocks idle anyway).
+  const bool splittable = kFp8 ? fp8_gemm0_splittable(call_tile_tokens(t.max_count, t.max_count)) : !c.wide[0];
   const int max_splits = splittable ? p.gemm0_max_splits : 1;
   c.gemm0_splits = gemm0_splits(tiles0, static_cast<int>(gridDim.x), c.k_steps[0], min_split_k_steps(kFp8), max_splits);
   c.split_reciprocal = split_reciprocal(c.gemm0_splits);
@@ -204,6 +237,7 @@ __device__ __forceinline__ Task decode_task(const ExpertTable& t, int index) {
   const TaskCounts& c = t.counts;
   Task k;
   k.gemm = index >= c.gemm0;
+  k.wide = !kFp8 && !kDecode && c.wide[k.gemm];
   if (k.gemm) {
     index -= c.gemm0;
     k.split = k.tile = 0;
@@ -236,7 +270,7 @@ __device__ __forceinline__ Task decode_task(const ExpertTable& t, int index) {
   } else {
     const int tiles = t.tile_offset[expert + 1] - t.tile_offset[expert];
     k.feature_tile = local / tiles;
-    k.tile_tokens = call_tile_tokens(t.count[expert], t.max_count);
+    k.tile_tokens = k.wide ? kMaxTileTokens : call_tile_tokens(t.count[expert], t.max_count);
     k.first_row = (local % tiles) * k.tile_tokens;
   }
   const int left = t.count[expert] - k.first_row;

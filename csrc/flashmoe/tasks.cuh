@@ -4,8 +4,8 @@
 // in two passes and its epilogue quantises each token's 128 SwiGLU values with one scale (the reference's
 // activation group).
 //   GEMM0: act = silu(x W_gate^T) * (x W_up^T); x = received rows gathered through the expert's list,
-//          W = the engine's w13 read in place (gate and up rows of 32 features per consumer, one mainloop).
-//          Each finished tile counts on its (expert, feature tile) completion counter.
+//          W = the engine's w13 read in place (gate and up rows of 32 features per consumer, one mainloop; a wide
+//          tile's consumer 64). Each finished tile counts on its (expert, 64-feature tile) completion counters.
 //   GEMM1: y = act W2^T, each bf16 row written straight into the combine buffer of the rank that owns the
 //          token, at slot (token, j), so the source reduces over j in a fixed order (no atomics). Its weights
 //          stream at once; the activations of K step s load once (expert, feature tile s) has all counted.
@@ -32,8 +32,9 @@ __device__ __forceinline__ const int* expert_list(const Params& p, int expert) {
   return expert_list(ws_ptr<int>(p, p.ws_off.expert_rows), p.expert_rows_stride, expert);
 }
 
-// Completion counter of (local expert, GEMM0 task feature tile) = GEMM1 K step: `counters` the workspace's
-// gemm0_done, `feature_tiles` the GEMM0 task feature tiles per expert (TaskCounts::feature_tiles[0]).
+// Completion counter of (local expert, GEMM0 feature tile) = GEMM1 K step: `counters` the workspace's
+// gemm0_done, `feature_tiles` the counters per expert (TaskCounts::gemm0_counters; bf16 64 features each, so a wide
+// task's consumers count on two).
 __device__ __forceinline__ uint32_t* gemm0_done(uint32_t* counters, int feature_tiles, int expert, int feature_tile) {
   return counters + static_cast<int64_t>(expert) * feature_tiles + feature_tile;
 }
@@ -106,7 +107,7 @@ static __device__ __noinline__ void produce_tasks(const Params& p, const GemmSme
   const int* expert_rows = ws_ptr<int>(p, p.ws_off.expert_rows);
   const int64_t expert_rows_stride = p.expert_rows_stride;
   uint32_t* gemm0_counters = ws_ptr<uint32_t>(p, p.ws_off.gemm0_done);
-  const int gemm0_feature_tiles = counts.feature_tiles[0];
+  const int gemm0_feature_tiles = kFp8 ? counts.feature_tiles[0] : counts.gemm0_counters;
   const float* const w13_scale = p.w13_scale;
   const float* const w2_scale = p.w2_scale;
   const int hidden_size = p.hidden_size;
@@ -126,6 +127,23 @@ static __device__ __noinline__ void produce_tasks(const Params& p, const GemmSme
     if (task.gemm == 0) {
       trace(kTraceProducerReady);
       const int* list = expert_list(expert_rows, expert_rows_stride, task.expert) + task.first_row;
+      if constexpr (!kFp8 && !kDecode) {
+        if (task.wide) {  // one pass, both boxes of the task's 128 features a stage
+          const int feature_group = task.feature_tile * kWideGemm0Features / 8;
+          produce_tile<false, false, true>(
+              p, g, st, task.tile_tokens, task.rows, k_steps,
+              [&](int r) { return recv + static_cast<int64_t>(ldcg(list + r) >> 4) * hidden_row_bytes; },
+              [](int) { return static_cast<const float*>(nullptr); },
+              [&](char* stage, uint64_t* full, int ks, uint32_t, bool) {
+                for (int box = 0; box < kWideBoxes; ++box)
+                  tma_load_5d(stage + box * kStageWeightBytes, &p.tmap_w13, full, ks * kTileK, 0, 0,
+                              feature_group + box * kGemm0TileFeatures / 8, task.expert, stream_policy);
+                if (ks == reserve_step) reserve_task(p, queue);
+              },
+              [](int) {});
+          continue;
+        }
+      }
       // A split task reads K steps [k_first, k_first + k_steps) of the rows and weights.
       const auto row_at = [&](int r) {
         return recv + static_cast<int64_t>(ldcg(list + r) >> 4) * hidden_row_bytes + task.k_first * kRowBytesK;
@@ -161,6 +179,31 @@ static __device__ __noinline__ void produce_tasks(const Params& p, const GemmSme
       const int64_t first = table.row_offset[task.expert] + task.first_row;
       ActReadiness readiness{gemm0_done(gemm0_counters, gemm0_feature_tiles, task.expert, 0),
                              gemm0_arrivals<kFp8>(table, task.expert), k_steps};
+      if constexpr (!kFp8 && !kDecode) {
+        if (task.wide) {  // both boxes of the task's 256 output features a stage
+          const int w2_group = (task.expert * hidden_size + task.feature_tile * kWideGemm1Features) / 8;
+          produce_tile<false, false, true>(
+              p, g, st, task.tile_tokens, task.rows, k_steps,
+              [&](int r) { return act + (first + r) * inter_row_bytes; },
+              [](int) { return static_cast<const float*>(nullptr); },
+              [&](char* stage, uint64_t* full, int ks, uint32_t, bool) {
+                for (int box = 0; box < kWideBoxes; ++box)
+                  tma_load_3d(stage + box * kStageWeightBytes, &p.tmap_w2, full, ks * kTileK, 0,
+                              w2_group + box * kGemm1TileFeatures / 8, stream_policy);
+                if (ks == reserve_step) reserve_task(p, queue);
+              },
+              [&](int ks) {
+                readiness.wait(p, g, task.expert, ks, [&] {
+                  if (threadIdx.x == 0 && ks == 0)
+                    for (int s = 1; s < k_steps; ++s)
+                      for (int box = 0; box < kWideBoxes; ++box)
+                        tma_prefetch_l2_3d(&p.tmap_w2, s * kTileK, 0, w2_group + box * kGemm1TileFeatures / 8);
+                });
+                if (ks == 0) trace(kTraceProducerReady);
+              });
+          continue;
+        }
+      }
       // w2 viewed as [E_l H / 8][8][I] (kernel.cu): the tile's 128 rows are 16 groups of 8 from this one.
       const int w2_group = (task.expert * hidden_size + task.feature_tile * kGemm1TileFeatures) / 8;
       const float* weight_scale =
@@ -190,24 +233,29 @@ static __device__ __noinline__ void produce_tasks(const Params& p, const GemmSme
   }
 }
 
-// GEMM0 epilogue of one consumer: its SwiGLU'd features of the tile's rows into act, then count the tile (a
-// split tile counts once per consumer, a ping-pong tile kConsumers times by its owner).
+// GEMM0 epilogue of one consumer: its SwiGLU'd features of the tile's rows into act, then count the tile on the
+// counter of 64-feature tile `feature_tile` (a split tile counts once per consumer, a ping-pong tile kConsumers
+// times by its owner, a wide tile's consumer kConsumers times on its own box's). kWide: the staging rows are a wide
+// consumer's (gemm.cuh store_swiglu_wide: 64 features, chunks swizzled).
+template <bool kWide = false>
 __device__ __forceinline__ void store_activations(const Params& p, const GemmSmem& g, const ExpertTable& table,
-                                                  const Task& task, const Staged& staged, int consumer) {
+                                                  const Task& task, const Staged& staged, int feature_tile,
+                                                  int consumer) {
   const int tid = threadIdx.x & 127;
   bf16* act = ws_ptr<bf16>(p, p.ws_off.act) +
               static_cast<int64_t>(table.row_offset[task.expert] + task.first_row) * p.intermediate_size +
-              task.feature_tile * kGemm0TileFeatures + staged.first_feature;
+              feature_tile * kGemm0TileFeatures + staged.first_feature;
   const int chunks = staged.features / 8;  // 16-byte chunks per row
   for (int c = tid; c < task.rows * chunks; c += 128) {
     const int r = c / chunks, q = c - r * chunks;
+    const bf16* src = kWide ? staged.rows + wide_chunk(r, q) * 8 : staged.rows + r * staged.stride + q * 8;
     *reinterpret_cast<uint4*>(act + static_cast<int64_t>(r) * p.intermediate_size + q * 8) =
-        *reinterpret_cast<const uint4*>(staged.rows + r * staged.stride + q * 8);
+        *reinterpret_cast<const uint4*>(src);
   }
   consumer_sync(consumer);  // every row stored; staging is rewritten by the next tile
   if (tid == 0) {
     __threadfence();  // the warpgroup's stores (ordered by the barrier) before the count: release
-    atomicAdd(gemm0_done<false>(p, task.expert, task.feature_tile), staged.features == kGemm0TileFeatures ? kConsumers : 1u);
+    atomicAdd(gemm0_done<false>(p, task.expert, feature_tile), staged.features == kGemm0TileFeatures ? kConsumers : 1u);
     mark_time(p, g.epoch, kRingGemm0EndNs);  // the last GEMM0 tile of the call
   }
   __syncwarp();
@@ -287,10 +335,16 @@ __device__ __forceinline__ void prefetch_row_entries(const Params& p, const Gemm
 // Returns the bytes sent to other ranks (metrics). Proxied rows go out as non-blocking puts from slot
 // `put_tiles % kPutRingTiles` of the block's staging ring; the one quiet that lets the ring be rewritten comes
 // when it wraps, and the GEMM phase's last block quiets once more before it sends the proxied sources their counts
-// (moe_layer.cuh finish_gemm_phase).
+// (moe_layer.cuh finish_gemm_phase). `column`: the first output feature of the staged rows.
+// kWide: a wide consumer's 128 features in two staging areas (gemm.cuh mma_wide_tile_to_staging); its rows take
+// two ring slots, 64 rows in this consumer's part of each (a wide call's GEMM1 tiles are all wide, so the position
+// stays even and a pair never straddles the wrap).
+template <bool kWide = false>
 __device__ __forceinline__ int64_t store_outputs(const Params& p, const PeerTable& peers, bool any_proxied,
-                                                 const GemmSmem& g, const Task& task, const Staged& staged,
+                                                 const GemmSmem& g, const Task& task, const Staged& staged, int column,
                                                  int consumer, int& put_tiles, uint32_t* combine_chunks) {
+  static_assert(kPutRingTiles % 2 == 0 && kMaxTileTokens / 2 * 2 * kConsumerRows <= kMaxTileTokens * kConsumerRows,
+                "a wide consumer's rows fill its part of two ring slots");
   const int tid = threadIdx.x & 127;
   const int k = p.top_k, H = p.hidden_size;
   const int* meta = sym_ptr<int>(p, p.sym_off.recv_meta);
@@ -303,6 +357,12 @@ __device__ __forceinline__ int64_t store_outputs(const Params& p, const PeerTabl
   bf16* put_stage = sym_ptr<bf16>(p, p.sym_off.combine_stage) +
                     ((static_cast<int64_t>(blockIdx.x) * kPutRingTiles + ring_slot) * kConsumers + consumer) *
                         kMaxTileTokens * kConsumerRows;
+  // Row r's source in the ring: a wide consumer's rows from 64 on sit in the next slot.
+  const auto put_row = [&](int r) {
+    constexpr int kSlotElements = kConsumers * kMaxTileTokens * kConsumerRows;
+    return kWide && r >= kMaxTileTokens / 2 ? put_stage + kSlotElements + (r - kMaxTileTokens / 2) * features
+                                            : put_stage + r * features;
+  };
   if (any_proxied && ring_slot == 0 && put_tiles > 0) {
     // Wrapped: the puts from every slot are complete (quiet covers all of this PE's) before one is rewritten.
     if (tid == 0) quiet_puts();
@@ -318,34 +378,49 @@ __device__ __forceinline__ int64_t store_outputs(const Params& p, const PeerTabl
     const int token = ldcg(meta + row * meta_stride(k));
     source = static_cast<int>(row / p.max_tokens_per_rank);
     row_rank[tid] = source;
-    row_dst[tid] =
-        (static_cast<int64_t>(token) * k + j) * H + task.feature_tile * kGemm1TileFeatures + staged.first_feature;
+    row_dst[tid] = (static_cast<int64_t>(token) * k + j) * H + column;
   }
   // The chunks per source: one shared-memory add per source and warp (rows of one source would contend).
   const unsigned same_source = __match_any_sync(0xffffffffu, source);
   if (source >= 0 && __ffs(same_source) - 1 == (tid & 31))
     atomicAdd(combine_chunks + source, static_cast<uint32_t>(__popc(same_source) * features / kCombineChunkFeatures));
   consumer_sync(consumer);
-  const int chunks = features / 8;  // 16-byte chunks per row
-  for (int c = tid; c < rows * chunks; c += 128) {
-    const int r = c / chunks, q = c - r * chunks;
-    const int dst = row_rank[r];
-    const uint4 value = *reinterpret_cast<const uint4*>(staged.rows + r * staged.stride + q * 8);
+  const auto emit = [&](int r, int q, int dst, const uint4& value) {  // 16-byte chunk q of row r
     if (use_p2p(peers, dst)) {
       bf16* base = reinterpret_cast<bf16*>(peers.base[dst] + p.sym_off.combine_rows);
       *reinterpret_cast<uint4*>(base + row_dst[r] + q * 8) = value;
     } else {
-      *reinterpret_cast<uint4*>(put_stage + r * features + q * 8) = value;
+      *reinterpret_cast<uint4*>(put_row(r) + q * 8) = value;
     }
-    if (q == 0 && dst != p.rank) remote_bytes += features * 2;
+  };
+  if constexpr (kWide) {
+    // A wide consumer's staging holds feature pairs (gemm.cuh store_plain_wide): a thread takes a pair region of
+    // a row (16 features, two chunks) and writes its two output chunks.
+    constexpr int kPairs = kWideBoxes * kConsumerRows / 16;  // per row: 4 per staging area
+    for (int c = tid; c < rows * kPairs; c += 128) {
+      const int r = c / kPairs, pair = c - r * kPairs;
+      const int dst = row_rank[r];
+      uint4 lo, hi;
+      wide_pair_chunks(pair < kPairs / 2 ? staged.rows : staged.rows_hi, r, pair % (kPairs / 2), lo, hi);
+      emit(r, 2 * pair, dst, lo);
+      emit(r, 2 * pair + 1, dst, hi);
+      if (pair == 0 && dst != p.rank) remote_bytes += features * 2;
+    }
+  } else {
+    const int chunks = features / 8;  // 16-byte chunks per row
+    for (int c = tid; c < rows * chunks; c += 128) {
+      const int r = c / chunks, q = c - r * chunks;
+      const int dst = row_rank[r];
+      emit(r, q, dst, *reinterpret_cast<const uint4*>(staged.rows + r * staged.stride + q * 8));
+      if (q == 0 && dst != p.rank) remote_bytes += features * 2;
+    }
   }
   if (any_proxied) {
     // Proxied rows: one put per row segment from the staging slot.
     consumer_sync(consumer);
     if (tid < rows && !use_p2p(peers, row_rank[tid]))
-      put_thread(sym_ptr<bf16>(p, p.sym_off.combine_rows) + row_dst[tid], put_stage + tid * features, features * 2,
-                 row_rank[tid]);
-    ++put_tiles;
+      put_thread(sym_ptr<bf16>(p, p.sym_off.combine_rows) + row_dst[tid], put_row(tid), features * 2, row_rank[tid]);
+    put_tiles += kWide ? 2 : 1;
   }
   consumer_sync(consumer);  // staging and the row table are rewritten by the consumer's next tile
   return remote_bytes;
@@ -410,18 +485,51 @@ __device__ int64_t consume_tasks(const Params& p, const PeerTable& peers, bool a
         trace_mma_done(st);
         if (staging != nullptr) store_activations_fp8(p, g, table, task, staging, consumer);
       } else {
+        if constexpr (!kDecode) {
+          if (task.wide) {
+            st.enter<false, true>(kMaxTileTokens);
+            const WideDone done = mma_wide_tile_to_staging<true>(p, g, st, k_steps);
+            st = done.st;
+            trace_mma_done(st);
+            consumer_sync(consumer);
+            const int held = done.stages.held[1];
+            const Staged staged{g.wide_staging(held, consumer), kWideStagingFeatures, kWideStagingFeatures, 0};
+            store_activations<true>(p, g, table, task, staged, kWideBoxes * task.feature_tile + consumer, consumer);
+            release_wide_stage(g, held);
+            trace(kTraceConsumerEpilogueDone);
+            continue;
+          }
+        }
         const Staged staged = mma_tile_to_staging<true, false, kDecode>(p, g, st, task.tile_tokens, k_steps, split_k<false>(p, g, task, consumer));
         trace_mma_done(st);
         if (staged.rows != nullptr) {  // the whole tile, or the last of its splits
           consumer_sync(consumer);
-          store_activations(p, g, table, task, staged, consumer);
+          store_activations(p, g, table, task, staged, task.feature_tile, consumer);
         }
       }
     } else {
       prefetch_row_entries(p, g, task, staged_tokens(task.tile_tokens, kFp8, consumer), consumer);
+      if constexpr (!kFp8 && !kDecode) {
+        if (task.wide) {
+          st.enter<false, true>(kMaxTileTokens);
+          const WideDone done = mma_wide_tile_to_staging<false>(p, g, st, k_steps);
+          st = done.st;
+          trace_mma_done(st);
+          Staged staged{g.wide_staging(done.stages.held[0], consumer), kWideStagingFeatures, kWideBoxes * kConsumerRows, 0};
+          staged.rows_hi = g.wide_staging(done.stages.held[1], consumer);
+          remote_bytes += store_outputs<true>(p, peers, any_proxied, g, task, staged,
+                                              task.feature_tile * kWideGemm1Features + consumer * staged.features,
+                                              consumer, put_tiles, combine_chunks);
+          for (int s = 0; s < 2; ++s) release_wide_stage(g, done.stages.held[s]);
+          trace(kTraceConsumerEpilogueDone);
+          continue;
+        }
+      }
       const Staged staged = mma_tile_to_staging<false, kFp8, kDecode>(p, g, st, task.tile_tokens, k_steps);
       trace_mma_done(st);
-      remote_bytes += store_outputs(p, peers, any_proxied, g, task, staged, consumer, put_tiles, combine_chunks);
+      remote_bytes += store_outputs(p, peers, any_proxied, g, task, staged,
+                                    task.feature_tile * kGemm1TileFeatures + staged.first_feature, consumer, put_tiles,
+                                    combine_chunks);
     }
     trace(kTraceConsumerEpilogueDone);
   }
