@@ -543,8 +543,8 @@ VARIANTS = {
         ),
         (  # wide tiles (bf16 prefill)
             "csrc/flashmoe/tasks.cuh",
-            "    for (int c = tid; c < rows * kPairs; c += 128) {",
-            "    for (int c = tid; c < rows * kPairs * 0; c += 128) {",
+            "    for (int c = tid; c < rows * 2 * kAreaChunks; c += 128) {",
+            "    for (int c = tid; c < rows * 2 * kAreaChunks * 0; c += 128) {",
         ),
     ],
     "fp8_no_wgmma": [

@@ -767,54 +767,40 @@ __device__ __forceinline__ void store_swiglu(const float (&acc)[N / 2], T* stagi
 }
 
 // store_swiglu for a wide consumer: half h's 32 features at column 32 h of 128-byte staging rows (64 features per
-// token), whose 16-byte chunks are XOR-swizzled by token row (chunk q of row t at q ^ (t % 8)). The rows fill the
-// consumer's 16 KiB box without padding, and a warp's stores still fall on distinct banks: its 8 features share a
-// chunk, its 4 tokens (8 j + 2 (l % 4)) land on 4 different ones. wide_chunk reads them back. A thread's rows
-// t + 8 j keep their swizzle for every j, so its two addresses are computed once (32-bit shared-memory ones).
+// token), whose 16-byte chunks are XOR-swizzled by token row (chunk q of row t at q ^ (t % 8)): the rows fill the
+// consumer's 16 KiB box without padding, and the 8 rows of a chunk fall on distinct banks. wide_chunk reads them
+// back. Stored by stmatrix: a warp's SwiGLU values of 8 tokens (8 j + 2 (l % 4) and + 1) for its 8 features are an
+// 8x8 accumulator-shaped fragment, stored transposed as 8 token rows of one chunk; one instruction per 4 j.
 __device__ __forceinline__ int wide_chunk(int row, int chunk) { return row * (kInterMultiple / 8) + (chunk ^ (row & 7)); }
-constexpr int kWideRowGroupBytes = 8 * kInterMultiple * 2;  // 8 staging rows: the step between a thread's token groups
+constexpr int kWideRowGroupBytes = 8 * kInterMultiple * 2;  // 8 staging rows: the step between token groups j
 __device__ __forceinline__ void store_swiglu_wide(const float (&acc)[kMaxTileTokens / 2], uint32_t staging, int column) {
   const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
-  const int f = column + 8 * warp + (lane >> 2);
-  const int t = 2 * (lane & 3);
-  const uint32_t even = staging + (wide_chunk(t, f >> 3) * 8 + (f & 7)) * 2;
-  const uint32_t odd = staging + (wide_chunk(t + 1, f >> 3) * 8 + (f & 7)) * 2;
+  const int matrix = lane >> 3, row = lane & 7;  // this lane addresses row `row` of matrix `matrix` (j + matrix)
+  const uint32_t addr = staging + wide_chunk(8 * matrix + row, column / 8 + warp) * 16;
+  uint32_t v[4];
 #pragma unroll
-  for (int j = 0; j < kMaxTileTokens / 8; ++j) {
-    st_shared_bf16(even + j * kWideRowGroupBytes, silu(acc[4 * j]) * acc[4 * j + 2]);
-    st_shared_bf16(odd + j * kWideRowGroupBytes, silu(acc[4 * j + 1]) * acc[4 * j + 3]);
+  for (int j = 0; j < kMaxTileTokens / 8; j += 4) {
+#pragma unroll
+    for (int m = 0; m < 4; ++m)
+      v[m] = pack_bf16x2(silu(acc[4 * (j + m)]) * acc[4 * (j + m) + 2], silu(acc[4 * (j + m) + 1]) * acc[4 * (j + m) + 3]);
+    stmatrix_x4_trans(addr + j * kWideRowGroupBytes, v[0], v[1], v[2], v[3]);
   }
 }
 
-// store_plain for a wide GEMM1 consumer: one half's 64 output features into a staging area of 128-byte rows in
-// feature pairs: warp w's 16 features 16 w + i (i < 16) fill the row's pair region w (chunks 2 w and 2 w + 1,
-// swizzled as store_swiglu_wide's), whose word i (i < 8) packs features 16 w + i and 16 w + i + 8, the two values a
-// thread holds for a token. One 4-byte store per pair (wide_pair_chunks unpacks them); with a 2-byte store per
-// value, ptxas serialised the mainloop's wgmmas (C7514).
-__device__ __forceinline__ int wide_pair_word(int row, int pair, int word) {  // 4-byte word index in the area
-  return wide_chunk(row, 2 * pair + (word >> 2)) * 4 + (word & 3);
-}
+// store_plain for a wide GEMM1 consumer: one half's 64 output features into a staging area of 128-byte token rows,
+// chunks swizzled as store_swiglu_wide's, by stmatrix: an 8-token x 8-feature block of the accumulators is an 8x8
+// fragment (acc[4 j], acc[4 j + 1]: features 16 w + l/4, tokens 8 j + 2 (l % 4) and + 1; acc[4 j + 2..3]: features + 8),
+// stored transposed as 8 token rows of one 16-byte chunk. One instruction writes two j's blocks of both feature
+// groups. (Each value stored alone made ptxas serialise the mainloop's wgmmas, C7514.)
 __device__ __forceinline__ void store_plain_wide(const float (&acc)[kMaxTileTokens / 2], uint32_t staging) {
   const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
-  const int t = 2 * (lane & 3);
-  const uint32_t even = staging + wide_pair_word(t, warp, lane >> 2) * 4;
-  const uint32_t odd = staging + wide_pair_word(t + 1, warp, lane >> 2) * 4;
+  const int matrix = lane >> 3, row = lane & 7;  // this lane addresses row `row` of matrix `matrix`
+  const uint32_t addr = staging + wide_chunk(8 * (matrix >> 1) + row, 2 * warp + (matrix & 1)) * 16;
 #pragma unroll
-  for (int j = 0; j < kMaxTileTokens / 8; ++j) {
-    st_shared_bf16x2(even + j * kWideRowGroupBytes, acc[4 * j], acc[4 * j + 2]);
-    st_shared_bf16x2(odd + j * kWideRowGroupBytes, acc[4 * j + 1], acc[4 * j + 3]);
-  }
-}
-
-// A GEMM1 staging area's pair region `pair` of row `row` as its two output chunks: features 16 pair + 0..7 (lo) and
-// + 8..15 (hi).
-__device__ __forceinline__ void wide_pair_chunks(const bf16* area, int row, int pair, uint4& lo, uint4& hi) {
-  const uint4 a = *reinterpret_cast<const uint4*>(area + wide_chunk(row, 2 * pair) * 8);      // words 0-3
-  const uint4 b = *reinterpret_cast<const uint4*>(area + wide_chunk(row, 2 * pair + 1) * 8);  // words 4-7
-  lo = make_uint4(__byte_perm(a.x, a.y, 0x5410), __byte_perm(a.z, a.w, 0x5410), __byte_perm(b.x, b.y, 0x5410),
-                  __byte_perm(b.z, b.w, 0x5410));
-  hi = make_uint4(__byte_perm(a.x, a.y, 0x7632), __byte_perm(a.z, a.w, 0x7632), __byte_perm(b.x, b.y, 0x7632),
-                  __byte_perm(b.z, b.w, 0x7632));
+  for (int j = 0; j < kMaxTileTokens / 8; j += 2)
+    stmatrix_x4_trans(addr + j * kWideRowGroupBytes, pack_bf16x2(acc[4 * j], acc[4 * j + 1]),
+                      pack_bf16x2(acc[4 * j + 2], acc[4 * j + 3]), pack_bf16x2(acc[4 * j + 4], acc[4 * j + 5]),
+                      pack_bf16x2(acc[4 * j + 6], acc[4 * j + 7]));
 }
 
 // Plain row half: its 64 features at staging column `column`.

@@ -124,15 +124,17 @@ __device__ __forceinline__ void fence_accumulators(float (&d)[R]) {
 #pragma unroll
   for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
-// A bf16 store to shared memory by its 32-bit address (a generic pointer costs two registers per store target).
-__device__ __forceinline__ void st_shared_bf16(uint32_t addr, float v) {
-  const __nv_bfloat16 b = __float2bfloat16_rn(v);
-  asm volatile("st.shared.b16 [%0], %1;\n" ::"r"(addr), "h"(*reinterpret_cast<const unsigned short*>(&b)) : "memory");
+// Four 8x8 bf16 matrices of an mma accumulator fragment (each thread: row l/4, columns 2 (l%4) and + 1, the lower
+// column in the low half of its register), transposed: lane 8 m + i gives the address of row i of stored matrix m,
+// which is column i of fragment m (16 bytes).
+__device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, uint32_t m0, uint32_t m1, uint32_t m2, uint32_t m3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(m0), "r"(m1),
+               "r"(m2), "r"(m3)
+               : "memory");
 }
-// Two bf16 (lo at the lower address) in one 4-byte store.
-__device__ __forceinline__ void st_shared_bf16x2(uint32_t addr, float lo, float hi) {
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
   const __nv_bfloat162 b = __floats2bfloat162_rn(lo, hi);
-  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(*reinterpret_cast<const uint32_t*>(&b)) : "memory");
+  return *reinterpret_cast<const uint32_t*>(&b);
 }
 // cp.async writes go through the generic proxy; wgmma reads shared memory through the async proxy.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }

@@ -393,18 +393,14 @@ __device__ __forceinline__ int64_t store_outputs(const Params& p, const PeerTabl
       *reinterpret_cast<uint4*>(put_row(r) + q * 8) = value;
     }
   };
-  if constexpr (kWide) {
-    // A wide consumer's staging holds feature pairs (gemm.cuh store_plain_wide): a thread takes a pair region of
-    // a row (16 features, two chunks) and writes its two output chunks.
-    constexpr int kPairs = kWideBoxes * kConsumerRows / 16;  // per row: 4 per staging area
-    for (int c = tid; c < rows * kPairs; c += 128) {
-      const int r = c / kPairs, pair = c - r * kPairs;
+  if constexpr (kWide) {  // two staging areas of 64 features (gemm.cuh store_plain_wide)
+    constexpr int kAreaChunks = kWideStagingFeatures / 8;
+    for (int c = tid; c < rows * 2 * kAreaChunks; c += 128) {
+      const int r = c / (2 * kAreaChunks), q = c - r * (2 * kAreaChunks);
       const int dst = row_rank[r];
-      uint4 lo, hi;
-      wide_pair_chunks(pair < kPairs / 2 ? staged.rows : staged.rows_hi, r, pair % (kPairs / 2), lo, hi);
-      emit(r, 2 * pair, dst, lo);
-      emit(r, 2 * pair + 1, dst, hi);
-      if (pair == 0 && dst != p.rank) remote_bytes += features * 2;
+      const bf16* area = q < kAreaChunks ? staged.rows : staged.rows_hi;
+      emit(r, q, dst, *reinterpret_cast<const uint4*>(area + wide_chunk(r, q % kAreaChunks) * 8));
+      if (q == 0 && dst != p.rank) remote_bytes += features * 2;
     }
   } else {
     const int chunks = features / 8;  // 16-byte chunks per row
