@@ -486,7 +486,7 @@ struct HeldStages {
 // Consumer side of one tile: acc[h] = 64 weight rows x N tokens over K, for the consumer's kHalves row halves
 // (ping-pong: both halves of the tile; split: the consumer's own half; wide: both halves of the consumer's box).
 // A wide tile's last kHold stages are not released: they hold the consumer's staging until the epilogue has copied
-// it out (release_wide_stage); k_steps >= kHold.
+// it out (release_held_stages); k_steps >= kHold.
 template <int N, int kHalves = ping_pong(N, false) ? 2 : 1, bool kWide = false, int kHold = kWide ? 1 : 0>
 __device__ __forceinline__ HeldStages consume_tile(const Params& p, const GemmSmem& g, PipeState& st, int k_steps,
                                                    float (&acc)[kHalves][N / 2]) {
@@ -531,12 +531,14 @@ __device__ __forceinline__ HeldStages consume_tile(const Params& p, const GemmSm
   return out;
 }
 
-// A consumer's release of a stage a wide tile held, once its epilogue has read its staging there: its generic
-// stores and loads are ordered before the TMA writes of the stage's next fill (async proxy), which follow the release.
-__device__ __forceinline__ void release_wide_stage(const GemmSmem& g, int stage) {
+// A consumer's release of the stages a wide tile held, once its epilogue has read its staging there: its generic
+// stores and loads are ordered before the TMA writes of the stages' next fills (async proxy), which follow the release.
+__device__ __forceinline__ void release_held_stages(const GemmSmem& g, const HeldStages& held) {
   fence_proxy_async();
   __syncwarp();
-  if ((threadIdx.x & 31) == 0) mbar_arrive(g.empty(stage), 1);
+  if ((threadIdx.x & 31) == 0)
+    for (int s : held.held)
+      if (s >= 0) mbar_arrive(g.empty(s), 1);
 }
 
 // fp8 consumer side of one swap-AB tile (N <= 64): each K step (one 128-K scale block) accumulates into fresh
@@ -989,7 +991,7 @@ FLASHMOE_MAINLOOP TileDone mma_tile_to_staging(const Params& p, const GemmSmem g
 }
 
 // A wide tile (bf16, 128 tokens, 256 weight rows): this consumer's box into its staging in the stages the tile
-// holds (release_wide_stage after the copy-out). GEMM0 (kGateUp): 128 tokens x 64 SwiGLU features in the last
+// holds (release_held_stages after the copy-out). GEMM0 (kGateUp): 128 tokens x 64 SwiGLU features in the last
 // stage; GEMM1: 128 tokens x 128 output features, the first 64 in the stage before the last, the others in the
 // last. Never split: its 128 sums per thread do not fit a split slot (scheduler.cuh task_counts).
 struct WideDone {
@@ -1007,6 +1009,32 @@ FLASHMOE_MAINLOOP WideDone mma_wide_tile_to_staging(const Params& p, const GemmS
     else store_plain_wide(acc[h], smem_addr(g.wide_staging(held.held[h], consumer)));
   }
   return WideDone{st, held};
+}
+
+// A wide tile's consumer side for the tasks (tasks.cuh): the mainloop, then where its rows are staged. GEMM0: 64
+// SwiGLU features per row; GEMM1: 128 output features, this consumer's half of the tile's 256 (first_feature), the
+// first 64 in `rows` and the others in `rows_hi`. `held`: the stages to release (release_held_stages) once the rows
+// are copied out.
+struct WideStaged {
+  Staged staged;
+  HeldStages held;
+};
+template <bool kGateUp>
+__device__ __forceinline__ WideStaged wide_tile_to_staging(const Params& p, const GemmSmem& g, PipeState& st,
+                                                           int k_steps) {
+  const int consumer = threadIdx.x / 128 - 1;
+  st.enter<false, true>(kMaxTileTokens);
+  const WideDone done = mma_wide_tile_to_staging<kGateUp>(p, g, st, k_steps);
+  st = done.st;
+  const HeldStages& held = done.stages;
+  if constexpr (kGateUp) {
+    return {Staged{g.wide_staging(held.held[1], consumer), kWideStagingFeatures, kWideStagingFeatures, 0}, held};
+  } else {
+    constexpr int kFeatures = kWideBoxes * kWideStagingFeatures;
+    Staged staged{g.wide_staging(held.held[0], consumer), kWideStagingFeatures, kFeatures, consumer * kFeatures};
+    staged.rows_hi = g.wide_staging(held.held[1], consumer);
+    return {staged, held};
+  }
 }
 
 // Whether a split fp8 GEMM0 task of width n fits its sums (both passes') in a split slot: not at 128 tokens, so

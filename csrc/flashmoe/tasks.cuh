@@ -107,7 +107,7 @@ static __device__ __noinline__ void produce_tasks(const Params& p, const GemmSme
   const int* expert_rows = ws_ptr<int>(p, p.ws_off.expert_rows);
   const int64_t expert_rows_stride = p.expert_rows_stride;
   uint32_t* gemm0_counters = ws_ptr<uint32_t>(p, p.ws_off.gemm0_done);
-  const int gemm0_feature_tiles = kFp8 ? counts.feature_tiles[0] : counts.gemm0_counters;
+  const int gemm0_feature_tiles = counts.gemm0_counters;
   const float* const w13_scale = p.w13_scale;
   const float* const w2_scale = p.w2_scale;
   const int hidden_size = p.hidden_size;
@@ -127,13 +127,18 @@ static __device__ __noinline__ void produce_tasks(const Params& p, const GemmSme
     if (task.gemm == 0) {
       trace(kTraceProducerReady);
       const int* list = expert_list(expert_rows, expert_rows_stride, task.expert) + task.first_row;
+      // A split task reads K steps [k_first, k_first + k_steps) of the rows and weights.
+      const auto row_at = [&](int r) {
+        return recv + static_cast<int64_t>(ldcg(list + r) >> 4) * hidden_row_bytes + task.k_first * kRowBytesK;
+      };
+      const auto scale_at = [&](int r) {
+        return recv_scales + static_cast<int64_t>(ldcg(list + r) >> 4) * hidden_groups + task.k_first;
+      };
       if constexpr (!kFp8 && !kDecode) {
-        if (task.wide) {  // one pass, both boxes of the task's 128 features a stage
+        if (task.wide) {  // one pass (never split), both boxes of the task's 128 features a stage
           const int feature_group = task.feature_tile * kWideGemm0Features / 8;
           produce_tile<false, false, true>(
-              p, g, st, task.tile_tokens, task.rows, k_steps,
-              [&](int r) { return recv + static_cast<int64_t>(ldcg(list + r) >> 4) * hidden_row_bytes; },
-              [](int) { return static_cast<const float*>(nullptr); },
+              p, g, st, task.tile_tokens, task.rows, k_steps, row_at, scale_at,
               [&](char* stage, uint64_t* full, int ks, uint32_t, bool) {
                 for (int box = 0; box < kWideBoxes; ++box)
                   tma_load_5d(stage + box * kStageWeightBytes, &p.tmap_w13, full, ks * kTileK, 0, 0,
@@ -144,13 +149,6 @@ static __device__ __noinline__ void produce_tasks(const Params& p, const GemmSme
           continue;
         }
       }
-      // A split task reads K steps [k_first, k_first + k_steps) of the rows and weights.
-      const auto row_at = [&](int r) {
-        return recv + static_cast<int64_t>(ldcg(list + r) >> 4) * hidden_row_bytes + task.k_first * kRowBytesK;
-      };
-      const auto scale_at = [&](int r) {
-        return recv_scales + static_cast<int64_t>(ldcg(list + r) >> 4) * hidden_groups + task.k_first;
-      };
       // fp8: the gate and up rows of the task's 128 features are one weight block each (per K step).
       const float* gate_scale =
           kFp8 ? w13_scale + (static_cast<int64_t>(task.expert) * 2 * inter_groups + task.feature_tile) * hidden_groups
@@ -179,13 +177,13 @@ static __device__ __noinline__ void produce_tasks(const Params& p, const GemmSme
       const int64_t first = table.row_offset[task.expert] + task.first_row;
       ActReadiness readiness{gemm0_done(gemm0_counters, gemm0_feature_tiles, task.expert, 0),
                              gemm0_arrivals<kFp8>(table, task.expert), k_steps};
+      const auto row_at = [&](int r) { return act + (first + r) * inter_row_bytes; };
+      const auto scale_at = [&](int r) { return act_scales + (first + r) * inter_groups; };
       if constexpr (!kFp8 && !kDecode) {
         if (task.wide) {  // both boxes of the task's 256 output features a stage
           const int w2_group = (task.expert * hidden_size + task.feature_tile * kWideGemm1Features) / 8;
           produce_tile<false, false, true>(
-              p, g, st, task.tile_tokens, task.rows, k_steps,
-              [&](int r) { return act + (first + r) * inter_row_bytes; },
-              [](int) { return static_cast<const float*>(nullptr); },
+              p, g, st, task.tile_tokens, task.rows, k_steps, row_at, scale_at,
               [&](char* stage, uint64_t* full, int ks, uint32_t, bool) {
                 for (int box = 0; box < kWideBoxes; ++box)
                   tma_load_3d(stage + box * kStageWeightBytes, &p.tmap_w2, full, ks * kTileK, 0,
@@ -193,6 +191,8 @@ static __device__ __noinline__ void produce_tasks(const Params& p, const GemmSme
                 if (ks == reserve_step) reserve_task(p, queue);
               },
               [&](int ks) {
+                // Not ready: the tile's remaining weights into L2 meanwhile, both boxes (the narrow tile's lambda
+                // below with a box count moved the fp8 kernel's whole-program register allocation).
                 readiness.wait(p, g, task.expert, ks, [&] {
                   if (threadIdx.x == 0 && ks == 0)
                     for (int s = 1; s < k_steps; ++s)
@@ -210,8 +210,7 @@ static __device__ __noinline__ void produce_tasks(const Params& p, const GemmSme
           kFp8 ? w2_scale + (static_cast<int64_t>(task.expert) * hidden_groups + task.feature_tile) * inter_groups
                : nullptr;
       produce_tile<kFp8, kDecode>(
-          p, g, st, task.tile_tokens, task.rows, k_steps, [&](int r) { return act + (first + r) * inter_row_bytes; },
-          [&](int r) { return act_scales + (first + r) * inter_groups; },
+          p, g, st, task.tile_tokens, task.rows, k_steps, row_at, scale_at,
           [&](char* stage, uint64_t* full, int ks, uint32_t weight_scales, bool real) {
             // A GEMM1 tile spans the whole K: a zero step's box (produce_tile) is past I, zero-filled.
             tma_load_3d(stage, &p.tmap_w2, full, ks * tile_k(kFp8), 0, w2_group, stream_policy);
@@ -483,15 +482,12 @@ __device__ int64_t consume_tasks(const Params& p, const PeerTable& peers, bool a
       } else {
         if constexpr (!kDecode) {
           if (task.wide) {
-            st.enter<false, true>(kMaxTileTokens);
-            const WideDone done = mma_wide_tile_to_staging<true>(p, g, st, k_steps);
-            st = done.st;
+            const WideStaged wide = wide_tile_to_staging<true>(p, g, st, k_steps);
             trace_mma_done(st);
             consumer_sync(consumer);
-            const int held = done.stages.held[1];
-            const Staged staged{g.wide_staging(held, consumer), kWideStagingFeatures, kWideStagingFeatures, 0};
-            store_activations<true>(p, g, table, task, staged, kWideBoxes * task.feature_tile + consumer, consumer);
-            release_wide_stage(g, held);
+            store_activations<true>(p, g, table, task, wide.staged, kWideBoxes * task.feature_tile + consumer,
+                                    consumer);
+            release_held_stages(g, wide.held);
             trace(kTraceConsumerEpilogueDone);
             continue;
           }
@@ -507,16 +503,12 @@ __device__ int64_t consume_tasks(const Params& p, const PeerTable& peers, bool a
       prefetch_row_entries(p, g, task, staged_tokens(task.tile_tokens, kFp8, consumer), consumer);
       if constexpr (!kFp8 && !kDecode) {
         if (task.wide) {
-          st.enter<false, true>(kMaxTileTokens);
-          const WideDone done = mma_wide_tile_to_staging<false>(p, g, st, k_steps);
-          st = done.st;
+          const WideStaged wide = wide_tile_to_staging<false>(p, g, st, k_steps);
           trace_mma_done(st);
-          Staged staged{g.wide_staging(done.stages.held[0], consumer), kWideStagingFeatures, kWideBoxes * kConsumerRows, 0};
-          staged.rows_hi = g.wide_staging(done.stages.held[1], consumer);
-          remote_bytes += store_outputs<true>(p, peers, any_proxied, g, task, staged,
-                                              task.feature_tile * kWideGemm1Features + consumer * staged.features,
+          remote_bytes += store_outputs<true>(p, peers, any_proxied, g, task, wide.staged,
+                                              task.feature_tile * kWideGemm1Features + wide.staged.first_feature,
                                               consumer, put_tiles, combine_chunks);
-          for (int s = 0; s < 2; ++s) release_wide_stage(g, done.stages.held[s]);
+          release_held_stages(g, wide.held);
           trace(kTraceConsumerEpilogueDone);
           continue;
         }
