@@ -516,15 +516,28 @@ VARIANTS = {
     "bf16_no_wgmma": [
         (
             "csrc/flashmoe/gemm.cuh",
-            """    wgmma_fence();
+            """    if constexpr (kWide) {
+      const uint32_t stage = smem_addr(g.wide_stage(st.stage));
+      const uint64_t a = sw128_desc(stage + kWideTokensOffset + consumer * kConsumerRows * 128);  // its 64 tokens
+      const uint64_t b = sw128_desc(stage);                                                     // 256 weight rows
+      float(&all)[kHalves * N / 2] = *reinterpret_cast<float(*)[kHalves * N / 2]>(&acc[0][0]);
+      wgmma_fence();
 #pragma unroll
-    for (int h = 0; h < kHalves; ++h) {
-      const uint64_t a = sw128_desc(stage + (first_row + h * kConsumerRows) * 128);
+      for (int kk = 0; kk < kTileK / 16; ++kk)
+        Wgmma<2 * kTileWeightRows>::mma(all, a + 2 * kk, b + 2 * kk, ks > 0 || kk > 0);
+    } else {
+      const uint32_t stage = smem_addr(g.stage(st.stage, N, false));
+      const uint64_t b = sw128_desc(stage + kStageWeightBytes);
+      wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < kTileK / 16; ++kk) Wgmma<N>::mma(acc[h], a + 2 * kk, b + 2 * kk, ks > 0 || kk > 0);
+      for (int h = 0; h < kHalves; ++h) {
+        const uint64_t a = sw128_desc(stage + (first_row + h * kConsumerRows) * 128);
+#pragma unroll
+        for (int kk = 0; kk < kTileK / 16; ++kk) Wgmma<N>::mma(acc[h], a + 2 * kk, b + 2 * kk, ks > 0 || kk > 0);
+      }
     }
     wgmma_commit();""",
-            """    (void)b;
+            """    (void)first_row;
     if (ks == 0) {
 #pragma unroll
       for (int h = 0; h < kHalves; ++h)
@@ -545,6 +558,15 @@ VARIANTS = {
             "csrc/flashmoe/tasks.cuh",
             "    for (int c = tid; c < rows * 2 * kAreaChunks; c += 128) {",
             "    for (int c = tid; c < rows * 2 * kAreaChunks * 0; c += 128) {",
+        ),
+    ],
+    # GEMM1 epilogues that do not load each row's token from the receive meta (one dependent L2 load per row after
+    # the mainloop; the rows go to slot-numbered places instead): what that load costs a tile (timing only).
+    "no_row_meta": [
+        (
+            "csrc/flashmoe/tasks.cuh",
+            "    const int token = ldcg(meta + row * meta_stride(k));\n",
+            "    const int token = static_cast<int>(row % p.max_tokens_per_rank);\n    (void)meta;\n",
         ),
     ],
     "fp8_no_wgmma": [

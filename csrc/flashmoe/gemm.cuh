@@ -32,10 +32,11 @@
 //
 // bf16 prefill tiles are wide (scheduler.cuh wide_call): a 128-token tile's stage holds 256 weight rows (two boxes:
 // GEMM0 128 intermediate features, GEMM1 256 output features) beside its token rows, 48 KiB for twice the tensor
-// work of a 128-row tile's 32 KiB stage, whose loads bounded it (the SMs' L2 rate, benchmarks/kernel-notes.md). Each
-// consumer computes all 128 tokens of one box (two 64-row halves, 128 fp32 accumulators) and stages its rows in its
-// own box of the tile's last stage (GEMM0: 64 SwiGLU features, 16 KiB) or last two (GEMM1: 128 output features, a
-// 64-feature half in each), which it releases only after the copy-out: 4 stages of 48 KiB fill the pool.
+// work of a 128-row tile's 32 KiB stage, whose loads bounded it (benchmarks/kernel-notes.md). Wide tiles are
+// token-major: each consumer computes its 64 tokens against all 256 weight rows (wgmma m64n256k16, 128 fp32
+// accumulators; the operands' shared-memory reads are 80 KiB a stage, swap-AB's were 96), then stages its rows in its
+// own box of the tile's last stage (GEMM0: 128 SwiGLU features, 16 KiB) or last two (GEMM1: 256 output features, 128
+// in each), which it releases only after the copy-out: 4 stages of 48 KiB fill the pool.
 //
 // The pipeline is drained only when the tile width changes (the stage pool is re-carved, PipeState::enter);
 // otherwise the producer runs ahead into the next tile while the consumers run an epilogue. Tasks (tasks.cuh)
@@ -201,10 +202,10 @@ static_assert(stage_bytes(16, false) % 1024 == 0 && stage_bytes(16, true) % 1024
 constexpr int kWideStages = kStagePoolBytes / kWideStageBytes < kMaxStages ? kStagePoolBytes / kWideStageBytes : kMaxStages;
 static_assert(kWideStages == 4 && kWideStageBytes % 1024 == 0, "wide stages: 4 of 48 KiB, 1024-byte aligned");
 static_assert(kWideStages * kWideStageBytes <= kStagePoolBytes, "wide stages fit the pool");
-// A consumer's wide staging area (128 token rows of 64 bf16 features, 128 B each) is its own box of a held stage.
-constexpr int kWideStagingFeatures = kStageWeightBytes / (kMaxTileTokens * 2);
-static_assert(kWideStagingFeatures == kInterMultiple && kWideStagingFeatures == kConsumerRows,
-              "a wide staging area: a GEMM0 consumer's 64 SwiGLU features, a GEMM1 half's 64 output features");
+// A consumer's wide staging area (its 64 token rows of 128 bf16 features, 256 B each) is its own box of a held stage.
+constexpr int kWideStagingFeatures = kStageWeightBytes / (kConsumerRows * 2);
+static_assert(kWideStagingFeatures == 2 * kInterMultiple && kWideStagingFeatures == kHiddenMultiple,
+              "a wide staging area: a GEMM0 consumer's 128 SwiGLU features, half of a GEMM1 consumer's 256 outputs");
 static_assert(fp8_staging_bytes(16) / kConsumers >= 16 * kFp8StagingStride * 4 &&
                   fp8_staging_bytes(16) / kConsumers >= 16 * staging_stride(16, true) * 2 &&
                   fp8_staging_bytes(32) / kConsumers >= 32 * kFp8StagingStride * 4 &&
@@ -484,13 +485,18 @@ struct HeldStages {
 };
 
 // Consumer side of one tile: acc[h] = 64 weight rows x N tokens over K, for the consumer's kHalves row halves
-// (ping-pong: both halves of the tile; split: the consumer's own half; wide: both halves of the consumer's box).
+// (ping-pong: both halves of the tile; split: the consumer's own half). A wide tile is token-major instead: acc is
+// the consumer's 64 tokens x the stage's 256 weight rows (wgmma m64n256k16, tokens as A): its wgmmas read 80 KiB of
+// shared memory a stage where swap-AB's read 96 (the token rows four times), and the fills' 48 KiB share the same
+// ~128 B a cycle (benchmarks/experiments/wide_stage.cu).
 // A wide tile's last kHold stages are not released: they hold the consumer's staging until the epilogue has copied
 // it out (release_held_stages); k_steps >= kHold.
 template <int N, int kHalves = ping_pong(N, false) ? 2 : 1, bool kWide = false, int kHold = kWide ? 1 : 0>
 __device__ __forceinline__ HeldStages consume_tile(const Params& p, const GemmSmem& g, PipeState& st, int k_steps,
                                                    float (&acc)[kHalves][N / 2]) {
-  static_assert(!kWide || (N == kMaxTileTokens && kHalves == 2), "a wide consumer: both halves of its box, 128 tokens");
+  static_assert(!kWide || (N == kMaxTileTokens && kHalves == 2 && N == 2 * kConsumerRows &&
+                            kHalves * N / 2 == kConsumerRows * 2 * kTileWeightRows / 128),
+                "a wide consumer: its 64 tokens x 256 weight rows, 128 accumulators (acc's two halves, one wgmma)");
   static_assert(kWide ? kHold == 1 || kHold == 2 : kHold == 0, "only wide tiles hold stages");
   const int consumer = threadIdx.x / 128 - 1;
   const bool warp_leader = (threadIdx.x & 31) == 0;
@@ -498,19 +504,30 @@ __device__ __forceinline__ HeldStages consume_tile(const Params& p, const GemmSm
   // stage is released by its owner's 4 warps, twice each.
   constexpr bool kPingPong = kHalves == 2 && !kWide;
   constexpr uint32_t kReleases = kPingPong ? 2 : 1;
-  const uint32_t first_row = kWide ? consumer * kTileWeightRows : kHalves == 2 ? 0 : consumer * kConsumerRows;
+  const uint32_t first_row = kHalves == 2 ? 0 : consumer * kConsumerRows;
   int previous = -1;
   int ks = 0;
   do {  // k_steps >= 1 (K is a multiple of kTileK); a do-loop keeps ptxas's wgmma pipeline analysis simple
     wait_stage_full<kPingPong>(p, g, st, ks);
-    const uint32_t stage = smem_addr(kWide ? g.wide_stage(st.stage) : g.stage(st.stage, N, false));
-    const uint64_t b = sw128_desc(stage + (kWide ? kWideTokensOffset : kStageWeightBytes));
-    wgmma_fence();
+    if constexpr (kWide) {
+      const uint32_t stage = smem_addr(g.wide_stage(st.stage));
+      const uint64_t a = sw128_desc(stage + kWideTokensOffset + consumer * kConsumerRows * 128);  // its 64 tokens
+      const uint64_t b = sw128_desc(stage);                                                     // 256 weight rows
+      float(&all)[kHalves * N / 2] = *reinterpret_cast<float(*)[kHalves * N / 2]>(&acc[0][0]);
+      wgmma_fence();
 #pragma unroll
-    for (int h = 0; h < kHalves; ++h) {
-      const uint64_t a = sw128_desc(stage + (first_row + h * kConsumerRows) * 128);
+      for (int kk = 0; kk < kTileK / 16; ++kk)
+        Wgmma<2 * kTileWeightRows>::mma(all, a + 2 * kk, b + 2 * kk, ks > 0 || kk > 0);
+    } else {
+      const uint32_t stage = smem_addr(g.stage(st.stage, N, false));
+      const uint64_t b = sw128_desc(stage + kStageWeightBytes);
+      wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < kTileK / 16; ++kk) Wgmma<N>::mma(acc[h], a + 2 * kk, b + 2 * kk, ks > 0 || kk > 0);
+      for (int h = 0; h < kHalves; ++h) {
+        const uint64_t a = sw128_desc(stage + (first_row + h * kConsumerRows) * 128);
+#pragma unroll
+        for (int kk = 0; kk < kTileK / 16; ++kk) Wgmma<N>::mma(acc[h], a + 2 * kk, b + 2 * kk, ks > 0 || kk > 0);
+      }
     }
     wgmma_commit();
     wgmma_wait<1>();  // the previous step's wgmma is done: its stage can be refilled
@@ -768,41 +785,51 @@ __device__ __forceinline__ void store_swiglu(const float (&acc)[N / 2], T* stagi
   }
 }
 
-// store_swiglu for a wide consumer: half h's 32 features at column 32 h of 128-byte staging rows (64 features per
-// token), whose 16-byte chunks are XOR-swizzled by token row (chunk q of row t at q ^ (t % 8)): the rows fill the
-// consumer's 16 KiB box without padding, and the 8 rows of a chunk fall on distinct banks. wide_chunk reads them
-// back. Stored by stmatrix: a warp's SwiGLU values of 8 tokens (8 j + 2 (l % 4) and + 1) for its 8 features are an
-// 8x8 accumulator-shaped fragment, stored transposed as 8 token rows of one chunk; one instruction per 4 j.
-__device__ __forceinline__ int wide_chunk(int row, int chunk) { return row * (kInterMultiple / 8) + (chunk ^ (row & 7)); }
-constexpr int kWideRowGroupBytes = 8 * kInterMultiple * 2;  // 8 staging rows: the step between token groups j
-__device__ __forceinline__ void store_swiglu_wide(const float (&acc)[kMaxTileTokens / 2], uint32_t staging, int column) {
+// A wide (token-major) consumer's staging: its 64 token rows of 128 bf16 features (256 B), the 16-byte chunks of
+// each row XOR-swizzled by the row's low bits (chunk q of row t at q ^ (t % 8)), so the rows fill the consumer's 16 KiB
+// box without padding and the 8 rows of a stmatrix block fall on distinct banks. wide_chunk reads them back.
+// Accumulators (token-major, m64n256): warp w, lane l holds tokens 16 w + l/4 and + 8, columns 8 i + 2 (l % 4) and
+// + 1 for i < 32, in acc[4 i..4 i + 3]: an 8-token x 8-column block per (token group, i) is an mma fragment, stored by
+// non-transposed stmatrix, four blocks an instruction. (Each value stored alone made ptxas serialise the mainloop's
+// wgmmas, C7514.)
+constexpr int kWideRowChunks = kWideStagingFeatures / 8;
+__device__ __forceinline__ int wide_chunk(int row, int chunk) { return row * kWideRowChunks + (chunk ^ (row & 7)); }
+// The address this lane gives stmatrix for block pair (b, b + 1) of its warp's tokens: matrices (b, tokens 0-7),
+// (b, 8-15), (b + 1, 0-7), (b + 1, 8-15) of the warp's 16, block b at chunk `chunk`.
+__device__ __forceinline__ uint32_t wide_stmatrix_addr(uint32_t staging, int chunk) {
   const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
-  const int matrix = lane >> 3, row = lane & 7;  // this lane addresses row `row` of matrix `matrix` (j + matrix)
-  const uint32_t addr = staging + wide_chunk(8 * matrix + row, column / 8 + warp) * 16;
+  const int matrix = lane >> 3;
+  const int row = 16 * warp + 8 * (matrix & 1) + (lane & 7);
+  return staging + wide_chunk(row, chunk + (matrix >> 1)) * 16;
+}
+
+// GEMM0: the w13 boxes interleave 8 gate rows and the same 8 features' up rows, so column blocks 2 q and 2 q + 1 are
+// gate and up of features 8 q..8 q + 7 (q < 16: the tile's 128 features) and SwiGLU is register-local.
+__device__ __forceinline__ void store_swiglu_wide(const float (&acc)[2 * kTileWeightRows / 2], uint32_t staging) {
   uint32_t v[4];
 #pragma unroll
-  for (int j = 0; j < kMaxTileTokens / 8; j += 4) {
+  for (int q = 0; q < kWideStagingFeatures / 8; q += 2) {
 #pragma unroll
-    for (int m = 0; m < 4; ++m)
-      v[m] = pack_bf16x2(silu(acc[4 * (j + m)]) * acc[4 * (j + m) + 2], silu(acc[4 * (j + m) + 1]) * acc[4 * (j + m) + 3]);
-    stmatrix_x4_trans(addr + j * kWideRowGroupBytes, v[0], v[1], v[2], v[3]);
+    for (int m = 0; m < 2; ++m) {
+      const float* gate = acc + 8 * (q + m);
+      const float* up = gate + 4;
+      v[2 * m] = pack_bf16x2(silu(gate[0]) * up[0], silu(gate[1]) * up[1]);
+      v[2 * m + 1] = pack_bf16x2(silu(gate[2]) * up[2], silu(gate[3]) * up[3]);
+    }
+    stmatrix_x4(wide_stmatrix_addr(staging, q), v[0], v[1], v[2], v[3]);
   }
 }
 
-// store_plain for a wide GEMM1 consumer: one half's 64 output features into a staging area of 128-byte token rows,
-// chunks swizzled as store_swiglu_wide's, by stmatrix: an 8-token x 8-feature block of the accumulators is an 8x8
-// fragment (acc[4 j], acc[4 j + 1]: features 16 w + l/4, tokens 8 j + 2 (l % 4) and + 1; acc[4 j + 2..3]: features + 8),
-// stored transposed as 8 token rows of one 16-byte chunk. One instruction writes two j's blocks of both feature
-// groups. (Each value stored alone made ptxas serialise the mainloop's wgmmas, C7514.)
-__device__ __forceinline__ void store_plain_wide(const float (&acc)[kMaxTileTokens / 2], uint32_t staging) {
-  const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
-  const int matrix = lane >> 3, row = lane & 7;  // this lane addresses row `row` of matrix `matrix`
-  const uint32_t addr = staging + wide_chunk(8 * (matrix >> 1) + row, 2 * warp + (matrix & 1)) * 16;
+// GEMM1: 256 output features, the first 128 into `area0`, the others into `area1`.
+__device__ __forceinline__ void store_plain_wide(const float (&acc)[2 * kTileWeightRows / 2], uint32_t area0,
+                                                 uint32_t area1) {
 #pragma unroll
-  for (int j = 0; j < kMaxTileTokens / 8; j += 2)
-    stmatrix_x4_trans(addr + j * kWideRowGroupBytes, pack_bf16x2(acc[4 * j], acc[4 * j + 1]),
-                      pack_bf16x2(acc[4 * j + 2], acc[4 * j + 3]), pack_bf16x2(acc[4 * j + 4], acc[4 * j + 5]),
-                      pack_bf16x2(acc[4 * j + 6], acc[4 * j + 7]));
+  for (int i = 0; i < 2 * kTileWeightRows / 8; i += 2) {
+    const uint32_t area = i < kWideRowChunks ? area0 : area1;
+    stmatrix_x4(wide_stmatrix_addr(area, i % kWideRowChunks), pack_bf16x2(acc[4 * i], acc[4 * i + 1]),
+                pack_bf16x2(acc[4 * i + 2], acc[4 * i + 3]), pack_bf16x2(acc[4 * i + 4], acc[4 * i + 5]),
+                pack_bf16x2(acc[4 * i + 6], acc[4 * i + 7]));
+  }
 }
 
 // Plain row half: its 64 features at staging column `column`.
@@ -954,6 +981,10 @@ struct TokenRange {
 __device__ __forceinline__ TokenRange staged_tokens(int n, bool fp8, int consumer) {
   return token_major(n, fp8) ? TokenRange{consumer * kConsumerRows, kConsumerRows} : TokenRange{};
 }
+// A wide tile's consumer computes and stages its own 64 tokens (consume_tile).
+__device__ __forceinline__ TokenRange wide_tokens(int consumer) {
+  return TokenRange{consumer * kConsumerRows, kConsumerRows};
+}
 
 // What a consumer's epilogue finds in its staging area after mma_tile_to_staging: `features` bf16 columns per
 // token row, `stride` elements apart, starting at tile feature `first_feature` (GEMM0: SwiGLU'd intermediate
@@ -990,10 +1021,10 @@ FLASHMOE_MAINLOOP TileDone mma_tile_to_staging(const Params& p, const GemmSmem g
   return TileDone{st, true};
 }
 
-// A wide tile (bf16, 128 tokens, 256 weight rows): this consumer's box into its staging in the stages the tile
-// holds (release_held_stages after the copy-out). GEMM0 (kGateUp): 128 tokens x 64 SwiGLU features in the last
-// stage; GEMM1: 128 tokens x 128 output features, the first 64 in the stage before the last, the others in the
-// last. Never split: its 128 sums per thread do not fit a split slot (scheduler.cuh task_counts).
+// A wide tile (bf16, 128 tokens, 256 weight rows, token-major): this consumer's 64 tokens into its staging in the
+// stages the tile holds (release_held_stages after the copy-out). GEMM0 (kGateUp): 128 SwiGLU features per token in
+// the last stage; GEMM1: 256 output features, the first 128 in the stage before the last, the others in the last.
+// Never split: its 128 sums per thread do not fit a split slot (scheduler.cuh task_counts).
 struct WideDone {
   PipeState st;
   HeldStages stages;
@@ -1003,18 +1034,20 @@ FLASHMOE_MAINLOOP WideDone mma_wide_tile_to_staging(const Params& p, const GemmS
   const int consumer = threadIdx.x / 128 - 1;
   float acc[2][kMaxTileTokens / 2];
   const HeldStages held = consume_tile<kMaxTileTokens, 2, true, kGateUp ? 1 : 2>(p, g, st, k_steps, acc);
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    if constexpr (kGateUp) store_swiglu_wide(acc[h], smem_addr(g.wide_staging(held.held[1], consumer)), h * kConsumerRows / 2);
-    else store_plain_wide(acc[h], smem_addr(g.wide_staging(held.held[h], consumer)));
+  const float(&all)[2 * kMaxTileTokens / 2] = *reinterpret_cast<const float(*)[2 * kMaxTileTokens / 2]>(&acc[0][0]);
+  consumers_sync();  // both consumers read both boxes of the held stages: each has finished before either stages
+  if constexpr (kGateUp) {
+    store_swiglu_wide(all, smem_addr(g.wide_staging(held.held[1], consumer)));
+  } else {
+    store_plain_wide(all, smem_addr(g.wide_staging(held.held[0], consumer)),
+                     smem_addr(g.wide_staging(held.held[1], consumer)));
   }
   return WideDone{st, held};
 }
 
-// A wide tile's consumer side for the tasks (tasks.cuh): the mainloop, then where its rows are staged. GEMM0: 64
-// SwiGLU features per row; GEMM1: 128 output features, this consumer's half of the tile's 256 (first_feature), the
-// first 64 in `rows` and the others in `rows_hi`. `held`: the stages to release (release_held_stages) once the rows
-// are copied out.
+// A wide tile's consumer side for the tasks (tasks.cuh): the mainloop, then where its rows are staged: its 64 token
+// rows (`tokens`). GEMM0: 128 SwiGLU features per row; GEMM1: the tile's 256 output features, the first 128 in `rows`
+// and the others in `rows_hi`. `held`: the stages to release (release_held_stages) once the rows are copied out.
 struct WideStaged {
   Staged staged;
   HeldStages held;
@@ -1027,11 +1060,13 @@ __device__ __forceinline__ WideStaged wide_tile_to_staging(const Params& p, cons
   const WideDone done = mma_wide_tile_to_staging<kGateUp>(p, g, st, k_steps);
   st = done.st;
   const HeldStages& held = done.stages;
+  const TokenRange tokens = wide_tokens(consumer);
   if constexpr (kGateUp) {
-    return {Staged{g.wide_staging(held.held[1], consumer), kWideStagingFeatures, kWideStagingFeatures, 0}, held};
+    return {Staged{g.wide_staging(held.held[1], consumer), kWideStagingFeatures, kWideStagingFeatures, 0, tokens},
+            held};
   } else {
-    constexpr int kFeatures = kWideBoxes * kWideStagingFeatures;
-    Staged staged{g.wide_staging(held.held[0], consumer), kWideStagingFeatures, kFeatures, consumer * kFeatures};
+    Staged staged{g.wide_staging(held.held[0], consumer), kWideStagingFeatures, kWideBoxes * kWideStagingFeatures, 0,
+                  tokens};
     staged.rows_hi = g.wide_staging(held.held[1], consumer);
     return {staged, held};
   }

@@ -234,18 +234,21 @@ static __device__ __noinline__ void produce_tasks(const Params& p, const GemmSme
 
 // GEMM0 epilogue of one consumer: its SwiGLU'd features of the tile's rows into act, then count the tile on the
 // counter of 64-feature tile `feature_tile` (a split tile counts once per consumer, a ping-pong tile kConsumers
-// times by its owner, a wide tile's consumer kConsumers times on its own box's). kWide: the staging rows are a wide
-// consumer's (gemm.cuh store_swiglu_wide: 64 features, chunks swizzled).
+// times by its owner). kWide: the staging rows are a wide consumer's (gemm.cuh store_swiglu_wide: its 64 tokens x
+// the task's 128 features, chunks swizzled), which count once on both of the task's 64-feature counters from
+// `feature_tile` on.
 template <bool kWide = false>
 __device__ __forceinline__ void store_activations(const Params& p, const GemmSmem& g, const ExpertTable& table,
                                                   const Task& task, const Staged& staged, int feature_tile,
                                                   int consumer) {
   const int tid = threadIdx.x & 127;
   bf16* act = ws_ptr<bf16>(p, p.ws_off.act) +
-              static_cast<int64_t>(table.row_offset[task.expert] + task.first_row) * p.intermediate_size +
+              static_cast<int64_t>(table.row_offset[task.expert] + task.first_row + staged.tokens.first) *
+                  p.intermediate_size +
               feature_tile * kGemm0TileFeatures + staged.first_feature;
   const int chunks = staged.features / 8;  // 16-byte chunks per row
-  for (int c = tid; c < task.rows * chunks; c += 128) {
+  const int rows = staged.tokens.valid(task.rows);
+  for (int c = tid; c < rows * chunks; c += 128) {
     const int r = c / chunks, q = c - r * chunks;
     const bf16* src = kWide ? staged.rows + wide_chunk(r, q) * 8 : staged.rows + r * staged.stride + q * 8;
     *reinterpret_cast<uint4*>(act + static_cast<int64_t>(r) * p.intermediate_size + q * 8) =
@@ -254,7 +257,14 @@ __device__ __forceinline__ void store_activations(const Params& p, const GemmSme
   consumer_sync(consumer);  // every row stored; staging is rewritten by the next tile
   if (tid == 0) {
     __threadfence();  // the warpgroup's stores (ordered by the barrier) before the count: release
-    atomicAdd(gemm0_done<false>(p, task.expert, feature_tile), staged.features == kGemm0TileFeatures ? kConsumers : 1u);
+    if constexpr (kWide) {
+      static_assert(kWideStagingFeatures == 2 * kGemm0TileFeatures, "a wide task: two 64-feature counters");
+      atomicAdd(gemm0_done<false>(p, task.expert, feature_tile), 1u);
+      atomicAdd(gemm0_done<false>(p, task.expert, feature_tile + 1), 1u);
+    } else {
+      atomicAdd(gemm0_done<false>(p, task.expert, feature_tile),
+                staged.features == kGemm0TileFeatures ? kConsumers : 1u);
+    }
     mark_time(p, g.epoch, kRingGemm0EndNs);  // the last GEMM0 tile of the call
   }
   __syncwarp();
@@ -335,14 +345,15 @@ __device__ __forceinline__ void prefetch_row_entries(const Params& p, const Gemm
 // `put_tiles % kPutRingTiles` of the block's staging ring; the one quiet that lets the ring be rewritten comes
 // when it wraps, and the GEMM phase's last block quiets once more before it sends the proxied sources their counts
 // (moe_layer.cuh finish_gemm_phase). `column`: the first output feature of the staged rows.
-// kWide: a wide consumer's 128 features in two staging areas (gemm.cuh mma_wide_tile_to_staging); its rows take
-// two ring slots, 64 rows in this consumer's part of each (a wide call's GEMM1 tiles are all wide, so the position
-// stays even and a pair never straddles the wrap).
+// kWide: a wide consumer's 64 tokens x 256 features in two staging areas of 128 (gemm.cuh mma_wide_tile_to_staging);
+// its rows take two ring slots, 32 rows in this consumer's part of each (a wide call's GEMM1 tiles are all wide, so
+// the position stays even and a pair never straddles the wrap).
 template <bool kWide = false>
 __device__ __forceinline__ int64_t store_outputs(const Params& p, const PeerTable& peers, bool any_proxied,
                                                  const GemmSmem& g, const Task& task, const Staged& staged, int column,
                                                  int consumer, int& put_tiles, uint32_t* combine_chunks) {
-  static_assert(kPutRingTiles % 2 == 0 && kMaxTileTokens / 2 * 2 * kConsumerRows <= kMaxTileTokens * kConsumerRows,
+  static_assert(kPutRingTiles % 2 == 0 && kConsumerRows / 2 * kWideBoxes * kWideStagingFeatures <=
+                                              kMaxTileTokens * kConsumerRows,
                 "a wide consumer's rows fill its part of two ring slots");
   const int tid = threadIdx.x & 127;
   const int k = p.top_k, H = p.hidden_size;
@@ -356,11 +367,11 @@ __device__ __forceinline__ int64_t store_outputs(const Params& p, const PeerTabl
   bf16* put_stage = sym_ptr<bf16>(p, p.sym_off.combine_stage) +
                     ((static_cast<int64_t>(blockIdx.x) * kPutRingTiles + ring_slot) * kConsumers + consumer) *
                         kMaxTileTokens * kConsumerRows;
-  // Row r's source in the ring: a wide consumer's rows from 64 on sit in the next slot.
+  // Row r's source in the ring: a wide consumer's rows from 32 on sit in the next slot.
   const auto put_row = [&](int r) {
     constexpr int kSlotElements = kConsumers * kMaxTileTokens * kConsumerRows;
-    return kWide && r >= kMaxTileTokens / 2 ? put_stage + kSlotElements + (r - kMaxTileTokens / 2) * features
-                                            : put_stage + r * features;
+    return kWide && r >= kConsumerRows / 2 ? put_stage + kSlotElements + (r - kConsumerRows / 2) * features
+                                           : put_stage + r * features;
   };
   if (any_proxied && ring_slot == 0 && put_tiles > 0) {
     // Wrapped: the puts from every slot are complete (quiet covers all of this PE's) before one is rewritten.
@@ -485,8 +496,7 @@ __device__ int64_t consume_tasks(const Params& p, const PeerTable& peers, bool a
             const WideStaged wide = wide_tile_to_staging<true>(p, g, st, k_steps);
             trace_mma_done(st);
             consumer_sync(consumer);
-            store_activations<true>(p, g, table, task, wide.staged, kWideBoxes * task.feature_tile + consumer,
-                                    consumer);
+            store_activations<true>(p, g, table, task, wide.staged, kWideBoxes * task.feature_tile, consumer);
             release_held_stages(g, wide.held);
             trace(kTraceConsumerEpilogueDone);
             continue;
@@ -500,7 +510,8 @@ __device__ int64_t consume_tasks(const Params& p, const PeerTable& peers, bool a
         }
       }
     } else {
-      prefetch_row_entries(p, g, task, staged_tokens(task.tile_tokens, kFp8, consumer), consumer);
+      const TokenRange tokens = task.wide ? wide_tokens(consumer) : staged_tokens(task.tile_tokens, kFp8, consumer);
+      prefetch_row_entries(p, g, task, tokens, consumer);
       if constexpr (!kFp8 && !kDecode) {
         if (task.wide) {
           const WideStaged wide = wide_tile_to_staging<false>(p, g, st, k_steps);
