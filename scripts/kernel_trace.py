@@ -112,12 +112,27 @@ def median(xs):
     return statistics.median(xs) if xs else float("nan")
 
 
-def tile_weight_bytes(gemm: int, H: int, I: int, fp8: bool, splits: int = 1) -> int:
-    """Weight bytes one task streams: 128 rows of K (GEMM0: H, GEMM1: I), over its share of a split tile. An fp8
-    GEMM0 task is two passes of 128 one-byte rows (its 128 features' gate and up rows), the bytes of a bf16 one."""
+def tile_weight_bytes(gemm: int, H: int, I: int, fp8: bool, splits: int = 1, boxes: int = 1) -> int:
+    """Weight bytes one task streams: 128 rows of K (GEMM0: H, GEMM1: I) per box, over its share of a split tile. An
+    fp8 GEMM0 task is two passes of 128 one-byte rows (its 128 features' gate and up rows), the bytes of a bf16 one; a
+    wide bf16 task (gemm.cuh) streams two boxes a stage."""
     if gemm == 0:
-        return TILE_WEIGHT_ROWS * H * 2 // splits
-    return TILE_WEIGHT_ROWS * I * (1 if fp8 else 2)
+        return boxes * TILE_WEIGHT_ROWS * H * 2 // splits
+    return boxes * TILE_WEIGHT_ROWS * I * (1 if fp8 else 2)
+
+
+def wide_gemms(producer: list[dict], H: int, I: int, fp8: bool) -> set[int]:
+    """The GEMMs whose tasks were wide (bf16 prefill, scheduler.cuh wide_call): the trace does not flag them, but a
+    call runs every feature tile of each GEMM, and wide ones are twice as wide (GEMM0 128 features, GEMM1 256)."""
+    if fp8:
+        return set()
+    narrow = {0: I // 64, 1: H // 128}
+    wide = set()
+    for gemm, tiles in narrow.items():
+        seen = [p["feature_tile"] for p in producer if p["gemm"] == gemm]
+        if seen and tiles % 2 == 0 and max(seen) + 1 == tiles // 2:
+            wide.add(gemm)
+    return wide
 
 
 def streaming_timeline(producer: list[dict], H: int, I: int, fp8: bool, bin_us: float = 2.0) -> list[dict]:
@@ -134,7 +149,7 @@ def streaming_timeline(producer: list[dict], H: int, I: int, fp8: bool, bin_us: 
             continue
         start = p["first_issue"]
         end = max(p.get("last_issue", start), start + 1e-3)
-        size = tile_weight_bytes(p["gemm"], H, I, fp8, p["splits"])
+        size = tile_weight_bytes(p["gemm"], H, I, fp8, p["splits"], p.get("boxes", 1))
         i = int(start // bin_us)
         while i * bin_us < end:
             lo, hi = max(start, i * bin_us), min(end, (i + 1) * bin_us)
@@ -233,6 +248,11 @@ def analyse(trace: list[list[list[tuple]]], H: int, I: int, fp8: bool = False) -
                     cur["full_wait"] = a / rate / 1e3
                 elif cur is not None and kind == CONSUMER_EPILOGUE:
                     cur["epilogue_done"] = (g - t0) / 1e3
+    wide = wide_gemms(producer, H, I, fp8)
+    for p in producer:
+        p["boxes"] = 2 if p["gemm"] in wide else 1
+    for t in tiles:
+        t["boxes"] = 2 if t.get("gemm") in wide else 1
     # Per consumer warpgroup: the gap between its tile's epilogue and its next tile's first landed stage.
     by_consumer: dict[tuple[int, int], list[dict]] = {}
     for t in tiles:
@@ -253,7 +273,7 @@ def analyse(trace: list[list[list[tuple]]], H: int, I: int, fp8: bool = False) -
             key,
             {
                 "tiles": 0,
-                "weight_bytes_per_tile": tile_weight_bytes(t["gemm"], H, I, fp8, splits),
+                "weight_bytes_per_tile": tile_weight_bytes(t["gemm"], H, I, fp8, splits, t["boxes"]),
                 "parts": {},
             },
         )
@@ -302,7 +322,7 @@ def analyse(trace: list[list[list[tuple]]], H: int, I: int, fp8: bool = False) -
     gemm_start = phases["gemm_start"]
     gemm_end = phases["gemm"]
     # Every task streams its weight tile once, whichever consumers computed it: count the producer's tasks.
-    weight_bytes = sum(tile_weight_bytes(p["gemm"], H, I, fp8, p["splits"]) for p in producer)
+    weight_bytes = sum(tile_weight_bytes(p["gemm"], H, I, fp8, p["splits"], p["boxes"]) for p in producer)
     tasks_per_block = [sum(1 for p in producer if p["block"] == blk) for blk in range(len(trace))]
     span = (max(gemm_end) - min(gemm_start)) if gemm_end and gemm_start else float("nan")
     timeline = streaming_timeline(producer, H, I, fp8)
