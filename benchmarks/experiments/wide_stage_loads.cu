@@ -1,0 +1,232 @@
+// Microbenchmark: a wide bf16 prefill stage (gemm.cuh: 256 weight rows x 128 tokens x 64 K, 48 KiB, token-major
+// consumers) with real loads, on every SM. The kernel's stage takes ~0.74 us at Qwen3-30B T = 2048 (kernel-notes.md,
+// thirty-third session) where its wgmmas alone take 0.57 (wide_stage.cu) and its loads alone ~0.54 (the
+// thirty-second session's timing-only variant): this takes the kernel's pieces apart, as prefill_stage.cu does for
+// the fp8 stage. A producer warpgroup fills a 4-stage ring (the kernel's wide ring) with two TMA boxes of 128 weight
+// rows x 128 B and 128 token rows; two consumer warpgroups each run 4 wgmma m64n256k16 on their 64 tokens and release
+// the previous stage after issuing the next (the kernel's wait_group 1).
+//   weights: "hbm" streams distinct 256-row tiles of a 1 GiB tensor (read once); "l2" re-reads 8 MiB of it (a
+//            prefill call's weight tiles are read by ~4-8 token tiles each, mostly from L2).
+//   tokens:  "gather" is the kernel's producer: 128 threads, 8 cp.async of 16 B each per stage, rows picked at
+//            random from 32 MiB, then a cp.async arrive; "tma" one 2-D box of 128 contiguous rows; "none" loads none.
+//   math:    "mma" the consumers' wgmmas, "none" only wait and release.
+//   nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 -Icsrc benchmarks/experiments/wide_stage_loads.cu \
+//       -o /tmp/wide_stage_loads && /tmp/wide_stage_loads
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <cstdio>
+
+#include "flashmoe/hopper.cuh"
+
+using namespace flashmoe;
+
+constexpr int kK = 4096;                  // bytes per row: Qwen3-30B's hidden size in bf16
+constexpr int kKSteps = kK / 128;         // 64 bf16 of K per stage
+constexpr int kBox = 128 * 128;           // 128 rows x 128 B
+constexpr int kStageBytes = 3 * kBox;     // two weight boxes, then 128 token rows
+constexpr int kRing = 4;
+constexpr int kSmemBytes = kRing * kStageBytes + 1024;
+constexpr int kTokenRows = 8192;          // 32 MiB of token rows
+constexpr int64_t kHbmRows = 256 * 1024;  // 1 GiB of weight rows
+constexpr int kL2Rows = 2048;             // 8 MiB of weight rows
+enum Weights { kWeightsHbm, kWeightsL2 };
+enum Tokens { kTokensGather, kTokensTma, kTokensNone };
+
+struct Config {
+  int weights, tokens, math;
+  int tiles_per_block;
+};
+
+__device__ __forceinline__ void tma_2d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];\n"
+      ::"r"(smem_addr(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(bar)), "r"(c0), "r"(c1)
+      : "memory");
+}
+
+__device__ __forceinline__ uint32_t hash(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7feb352dU;
+  x ^= x >> 15;
+  x *= 0x846ca68bU;
+  return x ^ (x >> 16);
+}
+
+__global__ void __launch_bounds__(384, 1) wide_stage_loads(const __grid_constant__ CUtensorMap weights_map,
+                                                           const __grid_constant__ CUtensorMap tokens_map,
+                                                           const uint8_t* tokens, Config c, float* sink) {
+  extern __shared__ unsigned char smem_raw[];
+  char* base = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  __shared__ uint64_t full[kRing], empty[kRing];
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kRing; ++s) {
+      mbar_init(&full[s], 1 + (c.tokens == kTokensGather ? 128 : 0));
+      mbar_init(&empty[s], 8);  // every consumer warp
+    }
+    mbar_init_fence();
+  }
+  if (c.tokens == kTokensNone) {  // finite token rows, once
+    for (int i = threadIdx.x; i < kRing * kStageBytes / 4; i += blockDim.x)
+      reinterpret_cast<uint32_t*>(base)[i] = 0x3c003c00u;  // bf16 1.0
+    fence_proxy_async();
+  }
+  __syncthreads();
+  const int wg = threadIdx.x / 128;
+  const int weight_rows = c.weights == kWeightsHbm ? static_cast<int>(kHbmRows) : kL2Rows;
+  const int weight_tiles = weight_rows / 256;
+  if (wg == 0) {  // producer
+    const int tid = threadIdx.x, chunk = tid & 7;
+    int s = 0;
+    uint32_t phase = 0;
+    for (int i = 0; i < c.tiles_per_block; ++i) {
+      const int tile = blockIdx.x + i * gridDim.x;
+      const int weight_tile = tile % weight_tiles;
+      const uint8_t* row[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int r = (tid >> 3) + 16 * j;
+        row[j] = tokens + static_cast<int64_t>(hash(tile * 128 + r) % kTokenRows) * kK;
+      }
+      for (int ks = 0; ks < kKSteps; ++ks) {
+        while (!mbar_try_wait(&empty[s], phase ^ 1u)) {
+        }
+        char* stage = base + s * kStageBytes;
+        if (tid == 0) {
+          mbar_arrive_expect_tx(&full[s], kBox * (c.tokens == kTokensTma ? 3 : 2));
+          tma_2d(stage, &weights_map, &full[s], ks * 128, weight_tile * 256);
+          tma_2d(stage + kBox, &weights_map, &full[s], ks * 128, weight_tile * 256 + 128);
+          if (c.tokens == kTokensTma)
+            tma_2d(stage + 2 * kBox, &tokens_map, &full[s], ks * 128, (tile * 128) % kTokenRows);
+        }
+        __syncwarp();
+        if (c.tokens == kTokensGather) {
+          const uint32_t dst0 = smem_addr(stage + 2 * kBox);
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            const int r = (tid >> 3) + 16 * j;
+            cp_async_16(dst0 + r * 128 + ((chunk ^ (r & 7)) << 4), row[j] + ks * 128 + chunk * 16, true);
+          }
+          mbar_arrive_on_cp_async(&full[s]);
+        }
+        if (++s == kRing) {
+          s = 0;
+          phase ^= 1u;
+        }
+      }
+    }
+  } else {  // consumers: the kernel's token-major wide mainloop
+    const int consumer = wg - 1, lane = threadIdx.x & 31;
+    float acc[128];
+#pragma unroll
+    for (int i = 0; i < 128; ++i) acc[i] = 0.f;
+    int s = 0, previous = -1;
+    uint32_t phase = 0;
+    for (int i = 0; i < c.tiles_per_block; ++i)
+      for (int ks = 0; ks < kKSteps; ++ks) {
+        while (!mbar_try_wait(&full[s], phase)) {
+        }
+        if (c.tokens == kTokensGather) fence_proxy_async();  // cp.async rows (generic proxy) before wgmma reads them
+        if (c.math) {
+          const uint32_t stage = smem_addr(base + s * kStageBytes);
+          const uint64_t a = sw128_desc(stage + 2 * kBox + consumer * 64 * 128);
+          const uint64_t b = sw128_desc(stage);
+          wgmma_fence();
+#pragma unroll
+          for (int kk = 0; kk < 4; ++kk) Wgmma<256>::mma(acc, a + 2 * kk, b + 2 * kk, 1);
+          wgmma_commit();
+          wgmma_wait<1>();
+          if (previous >= 0 && lane == 0) mbar_arrive(&empty[previous]);
+          previous = s;
+        } else {
+          __syncwarp();
+          if (lane == 0) mbar_arrive(&empty[s]);
+        }
+        if (++s == kRing) {
+          s = 0;
+          phase ^= 1u;
+        }
+      }
+    wgmma_wait<0>();
+    fence_accumulators(acc);
+    float total = 0.f;
+#pragma unroll
+    for (int i = 0; i < 128; ++i) total += acc[i];
+    if (total == 12345.f) sink[threadIdx.x] = total;
+  }
+}
+
+typedef CUresult (*EncodeFn)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*, const cuuint64_t*,
+                             const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
+                             CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+static bool encode(EncodeFn enc, CUtensorMap* map, void* data, int64_t rows) {
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(kK), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(kK)};
+  const cuuint32_t box[2] = {128, 128}, unit[2] = {1, 1};
+  return enc(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, data, dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
+             CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) ==
+         CUDA_SUCCESS;
+}
+
+int main() {
+  int sms = 0;
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+  void* f = nullptr;
+  cudaDriverEntryPointQueryResult q;
+  cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q);
+  const EncodeFn enc = reinterpret_cast<EncodeFn>(f);
+  uint8_t *weights = nullptr, *tokens = nullptr;
+  float* sink = nullptr;
+  cudaMalloc(&weights, kHbmRows * kK);
+  cudaMalloc(&tokens, static_cast<size_t>(kTokenRows) * kK);
+  cudaMalloc(&sink, 1024 * sizeof(float));
+  cudaMemset(weights, 0x3c, kHbmRows * kK);  // bf16 0x3c3c ~ 0.0115: finite sums
+  cudaMemset(tokens, 0x3c, static_cast<size_t>(kTokenRows) * kK);
+  CUtensorMap weights_hbm, weights_l2, tokens_map;
+  if (!encode(enc, &weights_hbm, weights, kHbmRows) || !encode(enc, &weights_l2, weights, kL2Rows) ||
+      !encode(enc, &tokens_map, tokens, kTokenRows)) {
+    std::printf("tensor map encode failed\n");
+    return 1;
+  }
+  auto kernel = wide_stage_loads;
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  const char* weight_names[] = {"hbm", "l2"};
+  const char* token_names[] = {"gather", "tma", "none"};
+  std::printf("%-8s %-7s %-5s %9s %13s %11s\n", "weights", "tokens", "math", "us/stage", "KiB in/us/SM", "TFLOP/s");
+  const int cases[][3] = {
+      {kWeightsL2, kTokensGather, 1}, {kWeightsL2, kTokensTma, 1},     {kWeightsL2, kTokensNone, 1},
+      {kWeightsHbm, kTokensGather, 1}, {kWeightsHbm, kTokensTma, 1},   {kWeightsHbm, kTokensNone, 1},
+      {kWeightsL2, kTokensGather, 0}, {kWeightsL2, kTokensTma, 0},     {kWeightsL2, kTokensNone, 0},
+      {kWeightsHbm, kTokensGather, 0}, {kWeightsHbm, kTokensTma, 0},   {kWeightsHbm, kTokensNone, 0},
+  };
+  for (const auto& k : cases) {
+    const Config c{k[0], k[1], k[2], static_cast<int>(kHbmRows / 256 / sms)};  // every HBM tile once per launch
+    const CUtensorMap& wmap = c.weights == kWeightsHbm ? weights_hbm : weights_l2;
+    kernel<<<sms, 384, kSmemBytes>>>(wmap, tokens_map, tokens, c, sink);  // warm-up
+    cudaEvent_t a, b;
+    cudaEventCreate(&a);
+    cudaEventCreate(&b);
+    float best = 1e30f;
+    for (int rep = 0; rep < 5; ++rep) {
+      cudaEventRecord(a);
+      kernel<<<sms, 384, kSmemBytes>>>(wmap, tokens_map, tokens, c, sink);
+      cudaEventRecord(b);
+      cudaEventSynchronize(b);
+      float ms = 0.f;
+      cudaEventElapsedTime(&ms, a, b);
+      best = ms < best ? ms : best;
+    }
+    const cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) {
+      std::printf("error %s\n", cudaGetErrorString(err));
+      return 1;
+    }
+    const double stages = static_cast<double>(c.tiles_per_block) * kKSteps;
+    const double us = best * 1e3 / stages;
+    const double kib = (c.tokens == kTokensNone ? 2 : 3) * 16.0;
+    std::printf("%-8s %-7s %-5s %9.3f %13.1f %11.1f\n", weight_names[c.weights], token_names[c.tokens],
+                c.math ? "mma" : "none", us, kib / us, 2.0 * 256 * 128 * 64 * sms / us * 1e-6);
+  }
+  return 0;
+}
