@@ -403,7 +403,7 @@ __device__ __forceinline__ int64_t store_outputs(const Params& p, const PeerTabl
       *reinterpret_cast<uint4*>(put_row(r) + q * 8) = value;
     }
   };
-  if constexpr (kWide) {  // two staging areas of 64 features (gemm.cuh store_plain_wide)
+  if constexpr (kWide) {  // two staging areas of 128 features (gemm.cuh store_plain_wide)
     constexpr int kAreaChunks = kWideStagingFeatures / 8;
     for (int c = tid; c < rows * 2 * kAreaChunks; c += 128) {
       const int r = c / (2 * kAreaChunks), q = c - r * (2 * kAreaChunks);
