@@ -18,6 +18,7 @@
 #include <cstdio>
 
 #include "flashmoe/hopper.cuh"
+#include "stage_bench.cuh"
 
 using namespace flashmoe;
 
@@ -142,26 +143,8 @@ template <typename Kernel>
 double ns_per_step(const char* name, Kernel kernel, int blocks, int threads, int smem, float* sink) {
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   const int steps = 8192;
-  cudaEvent_t a, b;
-  cudaEventCreate(&a);
-  cudaEventCreate(&b);
-  kernel<<<blocks, threads, smem>>>(steps, sink);  // warm-up
-  float best = 1e30f;
-  for (int rep = 0; rep < 5; ++rep) {
-    cudaEventRecord(a);
-    kernel<<<blocks, threads, smem>>>(steps, sink);
-    cudaEventRecord(b);
-    cudaEventSynchronize(b);
-    float ms = 0.f;
-    cudaEventElapsedTime(&ms, a, b);
-    best = ms < best ? ms : best;
-  }
-  const cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) {
-    std::printf("%-44s error %s\n", name, cudaGetErrorString(err));
-    return -1.0;
-  }
-  return best * 1e6 / steps;
+  const float best = stage_bench::best_of_5_ms(name, [&] { kernel<<<blocks, threads, smem>>>(steps, sink); });
+  return best < 0 ? -1.0 : best * 1e6 / steps;
 }
 
 template <int N, bool kFp8, bool kPromote, int kSync, int kWarpgroups, bool kSplit>

@@ -18,8 +18,10 @@
 #include <cstdio>
 
 #include "flashmoe/hopper.cuh"
+#include "stage_bench.cuh"
 
 using namespace flashmoe;
+using namespace stage_bench;
 
 constexpr int kK = 4096;                  // bytes per row: Qwen3-30B's hidden size in bf16
 constexpr int kKSteps = kK / 128;         // 64 bf16 of K per stage
@@ -30,29 +32,6 @@ constexpr int kSmemBytes = kRing * kStageBytes + 1024;
 constexpr int kTokenRows = 8192;          // 32 MiB of token rows
 constexpr int64_t kHbmRows = 256 * 1024;  // 1 GiB of weight rows
 constexpr int kL2Rows = 2048;             // 8 MiB of weight rows
-enum Weights { kWeightsHbm, kWeightsL2 };
-enum Tokens { kTokensGather, kTokensTma, kTokensNone };
-
-struct Config {
-  int weights, tokens, math;
-  int tiles_per_block;
-};
-
-__device__ __forceinline__ void tma_2d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];\n"
-      ::"r"(smem_addr(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(bar)), "r"(c0), "r"(c1)
-      : "memory");
-}
-
-__device__ __forceinline__ uint32_t hash(uint32_t x) {
-  x ^= x >> 16;
-  x *= 0x7feb352dU;
-  x ^= x >> 15;
-  x *= 0x846ca68bU;
-  return x ^ (x >> 16);
-}
-
 __global__ void __launch_bounds__(384, 1) wide_stage_loads(const __grid_constant__ CUtensorMap weights_map,
                                                            const __grid_constant__ CUtensorMap tokens_map,
                                                            const uint8_t* tokens, Config c, float* sink) {
@@ -156,26 +135,10 @@ __global__ void __launch_bounds__(384, 1) wide_stage_loads(const __grid_constant
   }
 }
 
-typedef CUresult (*EncodeFn)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*, const cuuint64_t*,
-                             const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
-                             CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-
-static bool encode(EncodeFn enc, CUtensorMap* map, void* data, int64_t rows) {
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(kK), static_cast<cuuint64_t>(rows)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(kK)};
-  const cuuint32_t box[2] = {128, 128}, unit[2] = {1, 1};
-  return enc(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, data, dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
-             CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) ==
-         CUDA_SUCCESS;
-}
-
 int main() {
   int sms = 0;
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
-  void* f = nullptr;
-  cudaDriverEntryPointQueryResult q;
-  cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q);
-  const EncodeFn enc = reinterpret_cast<EncodeFn>(f);
+  const EncodeFn enc = encode_fn();
   uint8_t *weights = nullptr, *tokens = nullptr;
   float* sink = nullptr;
   cudaMalloc(&weights, kHbmRows * kK);
@@ -184,15 +147,13 @@ int main() {
   cudaMemset(weights, 0x3c, kHbmRows * kK);  // bf16 0x3c3c ~ 0.0115: finite sums
   cudaMemset(tokens, 0x3c, static_cast<size_t>(kTokenRows) * kK);
   CUtensorMap weights_hbm, weights_l2, tokens_map;
-  if (!encode(enc, &weights_hbm, weights, kHbmRows) || !encode(enc, &weights_l2, weights, kL2Rows) ||
-      !encode(enc, &tokens_map, tokens, kTokenRows)) {
+  if (!encode_rows(enc, &weights_hbm, weights, kHbmRows, kK) || !encode_rows(enc, &weights_l2, weights, kL2Rows, kK) ||
+      !encode_rows(enc, &tokens_map, tokens, kTokenRows, kK)) {
     std::printf("tensor map encode failed\n");
     return 1;
   }
   auto kernel = wide_stage_loads;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
-  const char* weight_names[] = {"hbm", "l2"};
-  const char* token_names[] = {"gather", "tma", "none"};
   std::printf("%-8s %-7s %-5s %9s %13s %11s\n", "weights", "tokens", "math", "us/stage", "KiB in/us/SM", "TFLOP/s");
   const int cases[][3] = {
       {kWeightsL2, kTokensGather, 1}, {kWeightsL2, kTokensTma, 1},     {kWeightsL2, kTokensNone, 1},
@@ -203,29 +164,13 @@ int main() {
   for (const auto& k : cases) {
     const Config c{k[0], k[1], k[2], static_cast<int>(kHbmRows / 256 / sms)};  // every HBM tile once per launch
     const CUtensorMap& wmap = c.weights == kWeightsHbm ? weights_hbm : weights_l2;
-    kernel<<<sms, 384, kSmemBytes>>>(wmap, tokens_map, tokens, c, sink);  // warm-up
-    cudaEvent_t a, b;
-    cudaEventCreate(&a);
-    cudaEventCreate(&b);
-    float best = 1e30f;
-    for (int rep = 0; rep < 5; ++rep) {
-      cudaEventRecord(a);
-      kernel<<<sms, 384, kSmemBytes>>>(wmap, tokens_map, tokens, c, sink);
-      cudaEventRecord(b);
-      cudaEventSynchronize(b);
-      float ms = 0.f;
-      cudaEventElapsedTime(&ms, a, b);
-      best = ms < best ? ms : best;
-    }
-    const cudaError_t err = cudaGetLastError();
-    if (err != cudaSuccess) {
-      std::printf("error %s\n", cudaGetErrorString(err));
-      return 1;
-    }
+    const float best =
+        best_of_5_ms("wide_stage_loads", [&] { kernel<<<sms, 384, kSmemBytes>>>(wmap, tokens_map, tokens, c, sink); });
+    if (best < 0) return 1;
     const double stages = static_cast<double>(c.tiles_per_block) * kKSteps;
     const double us = best * 1e3 / stages;
     const double kib = (c.tokens == kTokensNone ? 2 : 3) * 16.0;
-    std::printf("%-8s %-7s %-5s %9.3f %13.1f %11.1f\n", weight_names[c.weights], token_names[c.tokens],
+    std::printf("%-8s %-7s %-5s %9.3f %13.1f %11.1f\n", kWeightNames[c.weights], kTokenNames[c.tokens],
                 c.math ? "mma" : "none", us, kib / us, 2.0 * 256 * 128 * 64 * sms / us * 1e-6);
   }
   return 0;
