@@ -38,61 +38,13 @@ __global__ void __launch_bounds__(384, 1) prefill_stage(const __grid_constant__ 
   extern __shared__ unsigned char smem_raw[];
   char* base = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   __shared__ uint64_t full[kRing], empty[kRing];
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < kRing; ++s) {
-      mbar_init(&full[s], 1 + (c.tokens == kTokensGather ? 128 : 0));
-      mbar_init(&empty[s], 8);  // every consumer warp
-    }
-    mbar_init_fence();
-  }
-  if (c.tokens == kTokensNone) {  // finite token rows, once
-    for (int i = threadIdx.x; i < kRing * kStageBytes / 4; i += blockDim.x)
-      reinterpret_cast<uint32_t*>(base)[i] = 0x30303030u;
-    fence_proxy_async();
-  }
-  __syncthreads();
+  setup_ring(base, full, empty, c, kRing * kStageBytes, 0x30303030u);
   const int wg = threadIdx.x / 128;
   const int weight_rows = c.weights == kWeightsHbm ? static_cast<int>(kHbmRows) : kL2Rows;
   const int weight_tiles = weight_rows / 128;
   if (wg == 0) {  // producer
-    const int tid = threadIdx.x, chunk = tid & 7;
-    int s = 0;
-    uint32_t phase = 0;
-    for (int i = 0; i < c.tiles_per_block; ++i) {
-      const int tile = blockIdx.x + i * gridDim.x;
-      const int weight_tile = tile % weight_tiles;
-      const uint8_t* row[8];
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const int r = (tid >> 3) + 16 * j;
-        row[j] = tokens + static_cast<int64_t>(hash(tile * 128 + r) % kTokenRows) * kK;
-      }
-      for (int ks = 0; ks < kKSteps; ++ks) {
-        while (!mbar_try_wait(&empty[s], phase ^ 1u)) {
-        }
-        char* stage = base + s * kStageBytes;
-        if (tid == 0) {
-          mbar_arrive_expect_tx(&full[s], 128 * 128 * (c.tokens == kTokensTma ? 2 : 1));
-          tma_2d(stage, &weights_map, &full[s], ks * 128, weight_tile * 128);
-          if (c.tokens == kTokensTma)
-            tma_2d(stage + 128 * 128, &tokens_map, &full[s], ks * 128, (tile * 128) % kTokenRows);
-        }
-        __syncwarp();
-        if (c.tokens == kTokensGather) {
-          const uint32_t dst0 = smem_addr(stage + 128 * 128);
-#pragma unroll
-          for (int j = 0; j < 8; ++j) {
-            const int r = (tid >> 3) + 16 * j;
-            cp_async_16(dst0 + r * 128 + ((chunk ^ (r & 7)) << 4), row[j] + ks * 128 + chunk * 16, true);
-          }
-          mbar_arrive_on_cp_async(&full[s]);
-        }
-        if (++s == kRing) {
-          s = 0;
-          phase ^= 1u;
-        }
-      }
-    }
+    produce_ring<1, kRing, kStageBytes>(base, full, empty, &weights_map, &tokens_map, tokens, kK, kTokenRows,
+                                        weight_tiles, c);
   } else {  // consumers
     const int consumer = wg - 1, lane = threadIdx.x & 31;
     float acc[64];
@@ -145,22 +97,8 @@ __global__ void __launch_bounds__(384, 1) prefill_stage(const __grid_constant__ 
 int main() {
   int sms = 0;
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
-  const EncodeFn enc = encode_fn();
-  uint8_t *weights = nullptr, *tokens = nullptr;
-  float* sink = nullptr;
-  cudaMalloc(&weights, kHbmRows * kK);
-  cudaMalloc(&tokens, static_cast<size_t>(kTokenRows) * kK);
-  cudaMalloc(&sink, 1024 * sizeof(float));
-  cudaMemset(weights, 0x30, kHbmRows * kK);  // e4m3 0.125: finite sums
-  cudaMemset(tokens, 0x30, static_cast<size_t>(kTokenRows) * kK);
-  CUtensorMap weights_hbm, weights_l2, tokens_map;
-  if (!encode_rows(enc, &weights_hbm, weights, kHbmRows, kK) || !encode_rows(enc, &weights_l2, weights, kL2Rows, kK) ||
-      !encode_rows(enc, &tokens_map, tokens, kTokenRows, kK)) {
-    std::printf("tensor map encode failed\n");
-    return 1;
-  }
-  auto kernel = prefill_stage;
-  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  StageInputs in;
+  if (!in.make(kHbmRows, kL2Rows, kTokenRows, kK, 0x30)) return 1;  // e4m3 0.125: finite sums
   std::printf("%-8s %-7s %-5s %9s %11s %11s\n", "weights", "tokens", "math", "us/stage", "GB/s/SM", "TFLOP/s");
   const int cases[][3] = {
       {kWeightsHbm, kTokensGather, 1}, {kWeightsL2, kTokensGather, 1}, {kWeightsHbm, kTokensTma, 1},
@@ -168,17 +106,11 @@ int main() {
       {kWeightsHbm, kTokensGather, 0}, {kWeightsL2, kTokensGather, 0}, {kWeightsHbm, kTokensTma, 0},
       {kWeightsL2, kTokensTma, 0},     {kWeightsHbm, kTokensNone, 0},  {kWeightsL2, kTokensNone, 0},
   };
-  for (const auto& k : cases) {
-    const Config c{k[0], k[1], k[2], static_cast<int>(kHbmRows / 128 / sms)};  // every HBM tile once per launch
-    const CUtensorMap& wmap = c.weights == kWeightsHbm ? weights_hbm : weights_l2;
-    const float best =
-        best_of_5_ms("prefill_stage", [&] { kernel<<<sms, 384, kSmemBytes>>>(wmap, tokens_map, tokens, c, sink); });
-    if (best < 0) return 1;
-    const double stages = static_cast<double>(c.tiles_per_block) * kKSteps;
-    const double us = best * 1e3 / stages;
+  const int tiles_per_block = static_cast<int>(kHbmRows / 128 / sms);  // every HBM tile once per launch
+  const auto report = [&](const Config& c, double us) {
     const double bytes = 128 * 128 * (c.tokens == kTokensNone ? 1 : 2);
     std::printf("%-8s %-7s %-5s %9.3f %11.1f %11.1f\n", kWeightNames[c.weights], kTokenNames[c.tokens],
                 c.math ? "mma" : "none", us, bytes / us * 1e-3, 2.0 * 128 * 128 * 128 * sms / us * 1e-6);
-  }
-  return 0;
+  };
+  return run_cases("prefill_stage", prefill_stage, kSmemBytes, in, tiles_per_block, kKSteps, cases, report);
 }

@@ -1,6 +1,7 @@
-// What the stage microbenchmarks share (prefill_stage.cu, wide_stage_loads.cu, wgmma_rate.cu): the load cases, a 2-D
-// TMA box load, the row hash that picks gathered token rows, the 2-D tensor maps over byte rows, and the best-of-5
-// event timing. Each file keeps its own kernel: only these pieces are the same.
+// What the stage microbenchmarks share (prefill_stage.cu, wide_stage_loads.cu, wgmma_rate.cu): the load cases, the
+// ring's set-up and its producer (the kernel's TMA weight boxes and token-row gather), the inputs and their 2-D tensor
+// maps, and the best-of-5 event timing of every case. Each file keeps its own consumers (the stage's math is what
+// differs) and its table.
 #pragma once
 
 #include <cuda.h>
@@ -63,6 +64,79 @@ inline bool encode_rows(EncodeFn enc, CUtensorMap* map, void* data, int64_t rows
          CUDA_SUCCESS;
 }
 
+// Every thread of the block, at the start: the ring's barriers (a stage lands on its TMA bytes and, gathered,
+// the 128 producer threads' cp.async; it is released by the 8 consumer warps) and, with no token rows loaded, the
+// ring filled once with `fill` (finite values for the wgmmas).
+template <int kRing>
+__device__ __forceinline__ void setup_ring(char* base, uint64_t (&full)[kRing], uint64_t (&empty)[kRing],
+                                           const Config& c, int ring_bytes, uint32_t fill) {
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kRing; ++s) {
+      flashmoe::mbar_init(&full[s], 1 + (c.tokens == kTokensGather ? 128 : 0));
+      flashmoe::mbar_init(&empty[s], 8);  // every consumer warp
+    }
+    flashmoe::mbar_init_fence();
+  }
+  if (c.tokens == kTokensNone) {  // finite token rows, once
+    for (int i = threadIdx.x; i < ring_bytes / 4; i += blockDim.x) reinterpret_cast<uint32_t*>(base)[i] = fill;
+    flashmoe::fence_proxy_async();
+  }
+  __syncthreads();
+}
+
+// The producer warpgroup: fills the ring, tile after tile (tile i of block b is b + i x blocks), with kBoxes TMA
+// boxes of 128 weight rows x 128 B per stage (weight tile t's rows 128 kBoxes t on) and then the tile's 128 token
+// rows, K step after K step of `row_bytes`: gathered (8 cp.async of 16 B per thread from rows picked by `hash`, in
+// the kernel's 128-byte swizzle), one TMA box of contiguous rows, or none.
+template <int kBoxes, int kRing, int kStageBytes>
+__device__ __forceinline__ void produce_ring(char* base, uint64_t (&full)[kRing], uint64_t (&empty)[kRing],
+                                             const CUtensorMap* weights_map, const CUtensorMap* tokens_map,
+                                             const uint8_t* tokens, int64_t row_bytes, int token_rows, int weight_tiles,
+                                             const Config& c) {
+  constexpr int kBox = 128 * 128;
+  const int tid = threadIdx.x, chunk = tid & 7;
+  const int k_steps = static_cast<int>(row_bytes / 128);
+  int s = 0;
+  uint32_t phase = 0;
+  for (int i = 0; i < c.tiles_per_block; ++i) {
+    const int tile = blockIdx.x + i * gridDim.x;
+    const int weight_tile = tile % weight_tiles;
+    const uint8_t* row[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int r = (tid >> 3) + 16 * j;
+      row[j] = tokens + static_cast<int64_t>(hash(tile * 128 + r) % token_rows) * row_bytes;
+    }
+    for (int ks = 0; ks < k_steps; ++ks) {
+      while (!flashmoe::mbar_try_wait(&empty[s], phase ^ 1u)) {
+      }
+      char* stage = base + s * kStageBytes;
+      if (tid == 0) {
+        flashmoe::mbar_arrive_expect_tx(&full[s], kBox * (kBoxes + (c.tokens == kTokensTma ? 1 : 0)));
+#pragma unroll
+        for (int b = 0; b < kBoxes; ++b)
+          tma_2d(stage + b * kBox, weights_map, &full[s], ks * 128, weight_tile * 128 * kBoxes + 128 * b);
+        if (c.tokens == kTokensTma)
+          tma_2d(stage + kBoxes * kBox, tokens_map, &full[s], ks * 128, (tile * 128) % token_rows);
+      }
+      __syncwarp();
+      if (c.tokens == kTokensGather) {
+        const uint32_t dst0 = flashmoe::smem_addr(stage + kBoxes * kBox);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const int r = (tid >> 3) + 16 * j;
+          flashmoe::cp_async_16(dst0 + r * 128 + ((chunk ^ (r & 7)) << 4), row[j] + ks * 128 + chunk * 16, true);
+        }
+        flashmoe::mbar_arrive_on_cp_async(&full[s]);
+      }
+      if (++s == kRing) {
+        s = 0;
+        phase ^= 1u;
+      }
+    }
+  }
+}
+
 // Best of 5 timed `launch()`es after a warm-up one, in ms; negative (the error printed after `name`) on an error.
 template <typename Launch>
 float best_of_5_ms(const char* name, Launch launch) {
@@ -88,6 +162,53 @@ float best_of_5_ms(const char* name, Launch launch) {
     return -1.f;
   }
   return best;
+}
+
+}  // namespace stage_bench
+
+namespace stage_bench {
+
+// The benchmarks' inputs on the device: `hbm_rows` weight rows (the "l2" case's map covers the first `l2_rows`) and
+// `token_rows` token rows, all of `row_bytes` bytes set to `fill`, with their tensor maps.
+struct StageInputs {
+  uint8_t* weights = nullptr;
+  uint8_t* tokens = nullptr;
+  float* sink = nullptr;
+  CUtensorMap weights_hbm, weights_l2, tokens_map;
+
+  bool make(int64_t hbm_rows, int l2_rows, int token_rows, int64_t row_bytes, int fill) {
+    const EncodeFn enc = encode_fn();
+    cudaMalloc(&weights, hbm_rows * row_bytes);
+    cudaMalloc(&tokens, token_rows * row_bytes);
+    cudaMalloc(&sink, 1024 * sizeof(float));
+    cudaMemset(weights, fill, hbm_rows * row_bytes);
+    cudaMemset(tokens, fill, token_rows * row_bytes);
+    if (encode_rows(enc, &weights_hbm, weights, hbm_rows, row_bytes) &&
+        encode_rows(enc, &weights_l2, weights, l2_rows, row_bytes) &&
+        encode_rows(enc, &tokens_map, tokens, token_rows, row_bytes))
+      return true;
+    std::printf("tensor map encode failed\n");
+    return false;
+  }
+};
+
+// Every case ({weights, tokens, math}) of `cases` on every SM: `tiles_per_block` tiles of `k_steps` stages per block,
+// best of 5; `report(config, us per stage)` prints its line. Returns 1 on an error, else 0.
+template <typename Kernel, int kCases, typename Report>
+int run_cases(const char* name, Kernel kernel, int smem, const StageInputs& in, int tiles_per_block, int k_steps,
+              const int (&cases)[kCases][3], Report report) {
+  int sms = 0;
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  for (const auto& k : cases) {
+    const Config c{k[0], k[1], k[2], tiles_per_block};
+    const CUtensorMap& wmap = c.weights == kWeightsHbm ? in.weights_hbm : in.weights_l2;
+    const float best =
+        best_of_5_ms(name, [&] { kernel<<<sms, 384, smem>>>(wmap, in.tokens_map, in.tokens, c, in.sink); });
+    if (best < 0) return 1;
+    report(c, best * 1e3 / (static_cast<double>(tiles_per_block) * k_steps));
+  }
+  return 0;
 }
 
 }  // namespace stage_bench

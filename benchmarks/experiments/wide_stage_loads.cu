@@ -38,62 +38,13 @@ __global__ void __launch_bounds__(384, 1) wide_stage_loads(const __grid_constant
   extern __shared__ unsigned char smem_raw[];
   char* base = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   __shared__ uint64_t full[kRing], empty[kRing];
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < kRing; ++s) {
-      mbar_init(&full[s], 1 + (c.tokens == kTokensGather ? 128 : 0));
-      mbar_init(&empty[s], 8);  // every consumer warp
-    }
-    mbar_init_fence();
-  }
-  if (c.tokens == kTokensNone) {  // finite token rows, once
-    for (int i = threadIdx.x; i < kRing * kStageBytes / 4; i += blockDim.x)
-      reinterpret_cast<uint32_t*>(base)[i] = 0x3c003c00u;  // bf16 1.0
-    fence_proxy_async();
-  }
-  __syncthreads();
+  setup_ring(base, full, empty, c, kRing * kStageBytes, 0x3c003c00u);  // bf16 1.0
   const int wg = threadIdx.x / 128;
   const int weight_rows = c.weights == kWeightsHbm ? static_cast<int>(kHbmRows) : kL2Rows;
   const int weight_tiles = weight_rows / 256;
   if (wg == 0) {  // producer
-    const int tid = threadIdx.x, chunk = tid & 7;
-    int s = 0;
-    uint32_t phase = 0;
-    for (int i = 0; i < c.tiles_per_block; ++i) {
-      const int tile = blockIdx.x + i * gridDim.x;
-      const int weight_tile = tile % weight_tiles;
-      const uint8_t* row[8];
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const int r = (tid >> 3) + 16 * j;
-        row[j] = tokens + static_cast<int64_t>(hash(tile * 128 + r) % kTokenRows) * kK;
-      }
-      for (int ks = 0; ks < kKSteps; ++ks) {
-        while (!mbar_try_wait(&empty[s], phase ^ 1u)) {
-        }
-        char* stage = base + s * kStageBytes;
-        if (tid == 0) {
-          mbar_arrive_expect_tx(&full[s], kBox * (c.tokens == kTokensTma ? 3 : 2));
-          tma_2d(stage, &weights_map, &full[s], ks * 128, weight_tile * 256);
-          tma_2d(stage + kBox, &weights_map, &full[s], ks * 128, weight_tile * 256 + 128);
-          if (c.tokens == kTokensTma)
-            tma_2d(stage + 2 * kBox, &tokens_map, &full[s], ks * 128, (tile * 128) % kTokenRows);
-        }
-        __syncwarp();
-        if (c.tokens == kTokensGather) {
-          const uint32_t dst0 = smem_addr(stage + 2 * kBox);
-#pragma unroll
-          for (int j = 0; j < 8; ++j) {
-            const int r = (tid >> 3) + 16 * j;
-            cp_async_16(dst0 + r * 128 + ((chunk ^ (r & 7)) << 4), row[j] + ks * 128 + chunk * 16, true);
-          }
-          mbar_arrive_on_cp_async(&full[s]);
-        }
-        if (++s == kRing) {
-          s = 0;
-          phase ^= 1u;
-        }
-      }
-    }
+    produce_ring<2, kRing, kStageBytes>(base, full, empty, &weights_map, &tokens_map, tokens, kK, kTokenRows,
+                                        weight_tiles, c);
   } else {  // consumers: the kernel's token-major wide mainloop
     const int consumer = wg - 1, lane = threadIdx.x & 31;
     float acc[128];
@@ -138,22 +89,8 @@ __global__ void __launch_bounds__(384, 1) wide_stage_loads(const __grid_constant
 int main() {
   int sms = 0;
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
-  const EncodeFn enc = encode_fn();
-  uint8_t *weights = nullptr, *tokens = nullptr;
-  float* sink = nullptr;
-  cudaMalloc(&weights, kHbmRows * kK);
-  cudaMalloc(&tokens, static_cast<size_t>(kTokenRows) * kK);
-  cudaMalloc(&sink, 1024 * sizeof(float));
-  cudaMemset(weights, 0x3c, kHbmRows * kK);  // bf16 0x3c3c ~ 0.0115: finite sums
-  cudaMemset(tokens, 0x3c, static_cast<size_t>(kTokenRows) * kK);
-  CUtensorMap weights_hbm, weights_l2, tokens_map;
-  if (!encode_rows(enc, &weights_hbm, weights, kHbmRows, kK) || !encode_rows(enc, &weights_l2, weights, kL2Rows, kK) ||
-      !encode_rows(enc, &tokens_map, tokens, kTokenRows, kK)) {
-    std::printf("tensor map encode failed\n");
-    return 1;
-  }
-  auto kernel = wide_stage_loads;
-  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  StageInputs in;
+  if (!in.make(kHbmRows, kL2Rows, kTokenRows, kK, 0x3c)) return 1;  // bf16 0x3c3c ~ 0.0115: finite sums
   std::printf("%-8s %-7s %-5s %9s %13s %11s\n", "weights", "tokens", "math", "us/stage", "KiB in/us/SM", "TFLOP/s");
   const int cases[][3] = {
       {kWeightsL2, kTokensGather, 1}, {kWeightsL2, kTokensTma, 1},     {kWeightsL2, kTokensNone, 1},
@@ -161,17 +98,11 @@ int main() {
       {kWeightsL2, kTokensGather, 0}, {kWeightsL2, kTokensTma, 0},     {kWeightsL2, kTokensNone, 0},
       {kWeightsHbm, kTokensGather, 0}, {kWeightsHbm, kTokensTma, 0},   {kWeightsHbm, kTokensNone, 0},
   };
-  for (const auto& k : cases) {
-    const Config c{k[0], k[1], k[2], static_cast<int>(kHbmRows / 256 / sms)};  // every HBM tile once per launch
-    const CUtensorMap& wmap = c.weights == kWeightsHbm ? weights_hbm : weights_l2;
-    const float best =
-        best_of_5_ms("wide_stage_loads", [&] { kernel<<<sms, 384, kSmemBytes>>>(wmap, tokens_map, tokens, c, sink); });
-    if (best < 0) return 1;
-    const double stages = static_cast<double>(c.tiles_per_block) * kKSteps;
-    const double us = best * 1e3 / stages;
+  const int tiles_per_block = static_cast<int>(kHbmRows / 256 / sms);  // every HBM tile once per launch
+  const auto report = [&](const Config& c, double us) {
     const double kib = (c.tokens == kTokensNone ? 2 : 3) * 16.0;
     std::printf("%-8s %-7s %-5s %9.3f %13.1f %11.1f\n", kWeightNames[c.weights], kTokenNames[c.tokens],
                 c.math ? "mma" : "none", us, kib / us, 2.0 * 256 * 128 * 64 * sms / us * 1e-6);
-  }
-  return 0;
+  };
+  return run_cases("wide_stage_loads", wide_stage_loads, kSmemBytes, in, tiles_per_block, kKSteps, cases, report);
 }
