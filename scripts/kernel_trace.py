@@ -61,6 +61,7 @@ PRODUCER_SLOT_FREE, PRODUCER_INDEX = 24, 25
 PRODUCER_PUBLISHED, PRODUCER_DECODING, PRODUCER_ROWS_LOCATED, PRODUCER_FIRST_SLOT = 26, 27, 28, 29
 CONSUMER_TASK, CONSUMER_FIRST_FULL, CONSUMER_MMA, CONSUMER_EPILOGUE = 30, 31, 32, 33
 CONSUMER_SLOT_READ, CONSUMER_COUNTED = 34, 35
+CONSUMER_STAGED, CONSUMER_PLACED, CONSUMER_STORED = 36, 37, 38
 TILE_WEIGHT_ROWS = 128
 KIND_NAMES = {
     PRODUCER_TASK: "task",
@@ -78,6 +79,9 @@ KIND_NAMES = {
     CONSUMER_EPILOGUE: "epilogue_done",
     CONSUMER_SLOT_READ: "slot_read",
     CONSUMER_COUNTED: "counted",
+    CONSUMER_STAGED: "staged",
+    CONSUMER_PLACED: "placed",
+    CONSUMER_STORED: "stored",
 }
 ROLES = ("thread0", "consumer0", "consumer1")
 
@@ -190,6 +194,56 @@ def per_sm_rates(timeline: list[dict]) -> dict:
     }
 
 
+def handovers(tiles: list[dict], producer: list[dict]) -> dict[str, dict]:
+    """Per pair of GEMMs (tile i -> the consumer's next tile j, same block and consumer warpgroup), the medians
+    of where the time between tile i's last wgmma and tile j's first landed stage goes: the consumer's epilogue
+    steps (the events it records: staged, placed, stored, counted, epilogue_done) and the producer's way to tile
+    j's first stage (from its last issue of tile i: the task, its rows located, the first slot free, the first
+    issue), with the first issue and the first stage's landing measured from tile i's mainloop end."""
+    by_task = {(p["block"], p["index"]): p for p in producer}
+    by_consumer: dict[tuple[int, int], list[dict]] = {}
+    for t in tiles:
+        by_consumer.setdefault((t["block"], t["role"]), []).append(t)
+    steps = ("mma_done", "staged", "placed", "stored", "counted", "epilogue_done")
+    parts: dict[str, dict[str, list[float]]] = {}
+    for (blk, _), lst in by_consumer.items():
+        for prev, t in zip(lst, lst[1:], strict=False):
+            if prev.get("gemm") is None or t.get("gemm") is None or "mma_done" not in prev:
+                continue
+            d = parts.setdefault(f"gemm{prev['gemm']}->gemm{t['gemm']}", {})
+
+            def add(name, value, d=d):
+                d.setdefault(name, []).append(value)
+
+            seen = [(n, prev[n]) for n in steps if n in prev]
+            for (n1, v1), (n2, v2) in zip(seen, seen[1:], strict=False):
+                add(f"{n1}->{n2}", v2 - v1)
+            end = prev["mma_done"]
+            if "epilogue_done" in prev:
+                add("epilogue_done->next_task", t["taken"] - prev["epilogue_done"])
+            if "first_full" in t:
+                add("next_task->first_full", t["first_full"] - t["taken"])
+                add("mma_done->first_full", t["first_full"] - end)
+            pi, pj = by_task.get((blk, prev["index"])), by_task.get((blk, t["index"]))
+            if pi is None or pj is None or "first_issue" not in pj:
+                continue
+            if "last_issue" in pi:
+                add("producer: last_issue->next task", pj["taken"] - pi["last_issue"])
+                add("producer: last_issue (from mma_done)", pi["last_issue"] - end)
+            mark = pj["taken"]
+            for n in ("rows_located", "first_slot", "first_issue"):
+                if n in pj:
+                    add(f"producer: ->{n}", pj[n] - mark)
+                    mark = pj[n]
+            add("producer: first_issue (from mma_done)", pj["first_issue"] - end)
+            if "first_full" in t:
+                add("first stage: issue->landed", t["first_full"] - pj["first_issue"])
+    return {
+        k: {"count": len(next(iter(d.values()))), "median_us": {n: round(median(v), 3) for n, v in d.items()}}
+        for k, d in sorted(parts.items())
+    }
+
+
 def analyse(trace: list[list[list[tuple]]], H: int, I: int, fp8: bool = False) -> dict:
     t0 = min(role[0][0] for blk in trace for role in blk if role)
     phases: dict[str, list[float]] = {name: [] for name in PHASES.values()}
@@ -226,6 +280,10 @@ def analyse(trace: list[list[list[tuple]]], H: int, I: int, fp8: bool = False) -
             # turn: its first issue is the first pass's, its last the last pass's, its empty-slot waits their sum.
             elif cur is not None and kind == PRODUCER_FIRST:
                 cur.setdefault("first_issue", (g - t0) / 1e3)
+            elif cur is not None and kind == PRODUCER_ROWS_LOCATED:
+                cur.setdefault("rows_located", (g - t0) / 1e3)
+            elif cur is not None and kind == PRODUCER_FIRST_SLOT:
+                cur.setdefault("first_slot", (g - t0) / 1e3)
             elif cur is not None and kind == PRODUCER_LAST:
                 cur["last_issue"] = (g - t0) / 1e3
                 cur["empty_wait"] = cur.get("empty_wait", 0.0) + a / rate / 1e3
@@ -234,7 +292,7 @@ def analyse(trace: list[list[list[tuple]]], H: int, I: int, fp8: bool = False) -
         by_index = {p["index"]: p for p in producer if p["block"] == blk}
         for role in (1, 2):
             cur = None
-            for g, c, kind, a, *_ in lists[role]:
+            for g, c, kind, a, b, _ in lists[role]:
                 if kind == CONSUMER_TASK:
                     cur = {"block": blk, "role": role, "index": a, "taken": (g - t0) / 1e3}
                     tiles.append(cur)
@@ -242,12 +300,22 @@ def analyse(trace: list[list[list[tuple]]], H: int, I: int, fp8: bool = False) -
                         {k: by_index.get(a, {}).get(k) for k in ("gemm", "n", "rows", "expert", "splits")}
                     )
                 elif cur is not None and kind == CONSUMER_FIRST_FULL:
-                    cur["first_full"] = at_clock(c) / 1e3
+                    # Its global time where the build records it (a | b << 32), else from the clock: the
+                    # clock's rate moves under load, so a straight line through the block's events can be us off.
+                    landed_ns = a | b << 32
+                    cur["first_full"] = (landed_ns - t0) / 1e3 if landed_ns else at_clock(c) / 1e3
                 elif cur is not None and kind == CONSUMER_MMA:
                     cur["mma_done"] = (g - t0) / 1e3
                     cur["full_wait"] = a / rate / 1e3
                 elif cur is not None and kind == CONSUMER_EPILOGUE:
                     cur["epilogue_done"] = (g - t0) / 1e3
+                elif cur is not None and kind in (
+                    CONSUMER_STAGED,
+                    CONSUMER_PLACED,
+                    CONSUMER_STORED,
+                    CONSUMER_COUNTED,
+                ):
+                    cur[KIND_NAMES[kind]] = (g - t0) / 1e3
     wide = wide_gemms(producer, H, I, fp8)
     for p in producer:
         p["boxes"] = 2 if p["gemm"] in wide else 1
@@ -342,6 +410,7 @@ def analyse(trace: list[list[list[tuple]]], H: int, I: int, fp8: bool = False) -
         "consumer_tiles": groups,
         "producer_tiles": producer_summary,
         "transitions": transitions,
+        "handovers": handovers(tiles, producer),
         "streaming_timeline": timeline,
         "per_sm_rates": per_sm_rates(timeline),
     }
@@ -368,6 +437,11 @@ def print_case(shape: str, T: int, blocks: int, err: float, summary: dict) -> No
         )
     for key, m in sorted(summary["producer_tiles"].items()):
         print(f"  producer {key}: median us: " + ", ".join(f"{n} {v}" for n, v in m.items()))
+    for key, h in summary.get("handovers", {}).items():
+        print(
+            f"  handover {key} ({h['count']}x), median us: "
+            + ", ".join(f"{n} {v}" for n, v in h["median_us"].items())
+        )
     print("  steps (count, median us):")
     for key, (n, v) in summary["transitions"].items():
         if n >= 10 and not key.startswith("consumer1"):

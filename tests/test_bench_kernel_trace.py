@@ -109,3 +109,53 @@ def test_per_sm_rates_tell_a_per_sm_ceiling_from_hbm_saturation(kernel_trace):
         "sparse_gb_per_s_per_sm": None,
         "sparse_bins": 0,
     }
+
+
+def test_a_handover_splits_the_time_between_two_tiles(kernel_trace):
+    """Tile 0 (GEMM0) then tile 1 (GEMM1) on one block: the consumer's epilogue steps, the producer's way to tile
+    1's first stage, and that stage's landing, taken from the global time the event carries (not the clock)."""
+    kt = kernel_trace
+    producer = [
+        (0, 0, 0, 0, 0, 0),
+        _task(kt, 1_000, 0, gemm=0, n=128),
+        (1_100, 0, kt.PRODUCER_ROWS_LOCATED, 0, 0, 0),
+        (1_300, 0, kt.PRODUCER_FIRST_SLOT, 0, 0, 0),
+        (1_400, 0, kt.PRODUCER_FIRST, 0, 0, 0),
+        (8_000, 0, kt.PRODUCER_LAST, 0, 0, 0),
+        _task(kt, 8_500, 1, gemm=1, n=128),
+        (9_500, 0, kt.PRODUCER_ROWS_LOCATED, 0, 0, 0),
+        (10_200, 0, kt.PRODUCER_FIRST_SLOT, 0, 0, 0),
+        (10_300, 0, kt.PRODUCER_FIRST, 0, 0, 0),
+        (14_000, 0, kt.PRODUCER_LAST, 0, 0, 0),
+    ]
+    landed_0, landed_1 = 2_000, 13_000
+    consumer = [
+        (1_050, 0, kt.CONSUMER_TASK, 0, 0, 0),
+        (9_000, 0, kt.CONSUMER_FIRST_FULL, landed_0, 0, 0),  # recorded late, its landing in a | b << 32
+        (9_000, 0, kt.CONSUMER_MMA, 0, 0, 0),
+        (9_400, 0, kt.CONSUMER_STAGED, 0, 0, 0),
+        (10_400, 0, kt.CONSUMER_STORED, 0, 0, 0),
+        (11_400, 0, kt.CONSUMER_COUNTED, 0, 0, 0),
+        (11_500, 0, kt.CONSUMER_EPILOGUE, 0, 0, 0),
+        (11_700, 0, kt.CONSUMER_TASK, 1, 0, 0),
+        (15_000, 0, kt.CONSUMER_FIRST_FULL, landed_1 & 0xFFFFFFFF, landed_1 >> 32, 0),
+        (15_000, 0, kt.CONSUMER_MMA, 0, 0, 0),
+        (15_500, 0, kt.CONSUMER_EPILOGUE, 0, 0, 0),
+    ]
+    summary = kt.analyse([[producer, consumer, []]], H=2048, I=768)
+    h = summary["handovers"]["gemm0->gemm1"]
+    assert h["count"] == 1
+    m = h["median_us"]
+    assert m["mma_done->staged"] == pytest.approx(0.4)
+    assert m["staged->stored"] == pytest.approx(1.0)
+    assert m["stored->counted"] == pytest.approx(1.0)
+    assert m["counted->epilogue_done"] == pytest.approx(0.1)
+    assert m["epilogue_done->next_task"] == pytest.approx(0.2)
+    assert m["next_task->first_full"] == pytest.approx(1.3)
+    assert m["producer: last_issue (from mma_done)"] == pytest.approx(-1.0)
+    assert m["producer: ->rows_located"] == pytest.approx(1.0)
+    assert m["producer: ->first_slot"] == pytest.approx(0.7)
+    assert m["producer: first_issue (from mma_done)"] == pytest.approx(1.3)
+    assert m["first stage: issue->landed"] == pytest.approx(2.7)
+    tile0 = summary["consumer_tiles"]["gemm0/N128"]["median_us"]
+    assert tile0["wait_first_stage"] == pytest.approx(0.95)  # the landing's own time, not the event's (7.95)

@@ -314,6 +314,7 @@ struct PipeState {
 #if FLASHMOE_TRACE
   uint64_t trace_wait = 0;        // cycles the current tile spent waiting on pipeline barriers (all passes)
   uint64_t trace_first_full = 0;  // clock when the tile's first stage had landed (consumers; reset per tile)
+  uint64_t trace_first_full_ns = 0;  // and its global time: the clock's rate moves under load
 #endif
 
   // At the start of every tile (producer and consumers alike): a tile of another width re-carves the pool.
@@ -471,7 +472,10 @@ __device__ __forceinline__ void wait_stage_full(const Params& p, const GemmSmem&
   pipe_wait(p, g, g.full(st.stage), st.phase());
   const uint64_t landed = clock64();
   st.trace_wait += landed - wait_start;
-  if (ks == 0 && st.trace_first_full == 0) st.trace_first_full = landed;  // a tile's first pass only
+  if (ks == 0 && st.trace_first_full == 0) {  // a tile's first pass only
+    st.trace_first_full = landed;
+    st.trace_first_full_ns = globaltimer_ns();
+  }
 #else
   (void)ks;
   pipe_wait(p, g, g.full(st.stage), st.phase());

@@ -255,6 +255,7 @@ __device__ __forceinline__ void store_activations(const Params& p, const GemmSme
         *reinterpret_cast<const uint4*>(src);
   }
   consumer_sync(consumer);  // every row stored; staging is rewritten by the next tile
+  trace(kTraceConsumerStored);
   if (tid == 0) {
     __threadfence();  // the warpgroup's stores (ordered by the barrier) before the count: release
     if constexpr (kWide) {
@@ -379,6 +380,7 @@ __device__ __forceinline__ int64_t store_outputs(const Params& p, const PeerTabl
     consumer_sync(consumer);
   }
   int64_t remote_bytes = 0;
+  trace(kTraceConsumerStaged);
   cp_async_wait_all();  // this thread's prefetched entry
   int source = -1;
   if (tid < rows) {  // where each row goes: (source rank, element offset in its combine buffer)
@@ -395,6 +397,7 @@ __device__ __forceinline__ int64_t store_outputs(const Params& p, const PeerTabl
   if (source >= 0 && __ffs(same_source) - 1 == (tid & 31))
     atomicAdd(combine_chunks + source, static_cast<uint32_t>(__popc(same_source) * features / kCombineChunkFeatures));
   consumer_sync(consumer);
+  trace(kTraceConsumerPlaced);
   const auto emit = [&](int r, int q, int dst, const uint4& value) {  // 16-byte chunk q of row r
     if (use_p2p(peers, dst)) {
       bf16* base = reinterpret_cast<bf16*>(peers.base[dst] + p.sym_off.combine_rows);
@@ -429,6 +432,7 @@ __device__ __forceinline__ int64_t store_outputs(const Params& p, const PeerTabl
     put_tiles += kWide ? 2 : 1;
   }
   consumer_sync(consumer);  // staging and the row table are rewritten by the consumer's next tile
+  trace(kTraceConsumerStored);
   return remote_bytes;
 }
 
@@ -450,7 +454,8 @@ __device__ __forceinline__ SplitK split_k(const Params& p, const GemmSmem& g, co
 
 __device__ __forceinline__ void trace_mma_done(const PipeState& st) {
 #if FLASHMOE_TRACE
-  trace_at(kTraceConsumerFirstFull, st.trace_first_full);
+  trace_at(kTraceConsumerFirstFull, st.trace_first_full, static_cast<uint32_t>(st.trace_first_full_ns),
+           static_cast<uint32_t>(st.trace_first_full_ns >> 32));
   trace(kTraceConsumerMmaDone, static_cast<uint32_t>(st.trace_wait));
 #else
   (void)st;
@@ -483,6 +488,7 @@ __device__ int64_t consume_tasks(const Params& p, const PeerTable& peers, bool a
 #if FLASHMOE_TRACE
     st.trace_wait = 0;  // over the whole tile: an fp8 GEMM0 task runs two passes of its K steps
     st.trace_first_full = 0;
+    st.trace_first_full_ns = 0;
 #endif
     if (task.gemm == 0) {
       if constexpr (kFp8) {
@@ -496,6 +502,7 @@ __device__ int64_t consume_tasks(const Params& p, const PeerTable& peers, bool a
             const WideStaged wide = wide_tile_to_staging<true>(p, g, st, k_steps);
             trace_mma_done(st);
             consumer_sync(consumer);
+            trace(kTraceConsumerStaged);
             store_activations<true>(p, g, table, task, wide.staged, kWideBoxes * task.feature_tile, consumer);
             release_held_stages(g, wide.held);
             trace(kTraceConsumerEpilogueDone);

@@ -46,11 +46,14 @@ enum TraceKind : uint32_t {
   kTraceProducerFirstSlot = 29,    // produce_tile (each pass): the first stage's slot is free
   // consumer leaders per task: a = task index
   kTraceConsumerTask = 30,
-  kTraceConsumerFirstFull = 31,  // first stage of the tile landed (clock only)
+  kTraceConsumerFirstFull = 31,  // first stage of the tile landed: clock, a | b << 32 = its global time (ns)
   kTraceConsumerMmaDone = 32,    // a = cycles spent waiting for full stages in this tile
   kTraceConsumerEpilogueDone = 33,
   kTraceConsumerSlotRead = 34,   // next_task: the published index was read
   kTraceConsumerCounted = 35,    // GEMM0 epilogue: the tile's completion counted (after the release fence)
+  kTraceConsumerStaged = 36,     // epilogue: the consumer's sums are in its staging rows (wide tiles)
+  kTraceConsumerPlaced = 37,     // GEMM1 epilogue: each row's destination known (the token meta loaded)
+  kTraceConsumerStored = 38,     // epilogue: the staged rows copied out to global memory
 };
 
 constexpr int kTraceRoles = 3;
