@@ -10,7 +10,8 @@ Builds and loads the `trace` variant (FLASHMOE_TRACE=1, csrc/flashmoe/trace.cuh)
 records its phase boundaries and, as the GEMM producer, each task it takes, when the task's rows were located
 (GEMM1: its expert's GEMM0 tiles counted), when its first and last stage were issued and how long it waited
 for free stages; each consumer warpgroup's leader records each task, when its first stage landed, when its
-mainloop finished (with the time spent waiting for stages) and when its epilogue finished.
+mainloop finished (with the time spent waiting for stages), when its sums were staged, (GEMM1) when its rows'
+destinations were known, when the rows were stored and counted, and when its epilogue finished.
 
 Under torchrun (WORLD_SIZE > 1) the layer is expert-parallel over all ranks with the shape's per-rank expert
 count on each rank (so `qwen3-30b/ep4` on 4 GPUs is the real Qwen3-30B layer), every rank traces its own
@@ -19,7 +20,9 @@ matrix covers EP). Each launch reads weights no earlier launch of the run touche
 traced launch streams from HBM as in serving. The traced launch is checked against the same-rounding
 reference. Printed per token count: the phase ends over blocks, and per kind of tile (GEMM, token width)
 the median time of each part of a tile and the bytes per SM per microsecond it streamed, then the streaming
-timeline (per 2 us: weight bytes issued and how many SMs were issuing GEMM0 and GEMM1 tiles); with --raw the
+timeline (per 2 us: weight bytes issued and how many SMs were issuing GEMM0 and GEMM1 tiles), and per pair of
+consecutive tiles of a consumer (`handover gemmA->gemmB`) where the time from one tile's last wgmma to the next
+one's first landed stage went, on the consumer's side and on the producer's; with --raw the
 JSON keeps every event. The trace build reads timers around every pipeline wait, so its times are a little
 longer than the plain build's; compare parts within one trace, and totals with kernel_check.py.
 """
