@@ -209,11 +209,14 @@ def handovers(tiles: list[dict], producer: list[dict]) -> dict[str, dict]:
         by_consumer.setdefault((t["block"], t["role"]), []).append(t)
     steps = ("mma_done", "staged", "placed", "stored", "counted", "epilogue_done")
     parts: dict[str, dict[str, list[float]]] = {}
+    counts: dict[str, int] = {}
     for (blk, _), lst in by_consumer.items():
         for prev, t in zip(lst, lst[1:], strict=False):
             if prev.get("gemm") is None or t.get("gemm") is None or "mma_done" not in prev:
                 continue
-            d = parts.setdefault(f"gemm{prev['gemm']}->gemm{t['gemm']}", {})
+            key = f"gemm{prev['gemm']}->gemm{t['gemm']}"
+            counts[key] = counts.get(key, 0) + 1
+            d = parts.setdefault(key, {})
 
             def add(name, value, d=d):
                 d.setdefault(name, []).append(value)
@@ -242,7 +245,7 @@ def handovers(tiles: list[dict], producer: list[dict]) -> dict[str, dict]:
             if "first_full" in t:
                 add("first stage: issue->landed", t["first_full"] - pj["first_issue"])
     return {
-        k: {"count": len(next(iter(d.values()))), "median_us": {n: round(median(v), 3) for n, v in d.items()}}
+        k: {"count": counts[k], "median_us": {n: round(median(v), 3) for n, v in d.items()}}
         for k, d in sorted(parts.items())
     }
 
