@@ -125,15 +125,8 @@ __device__ __forceinline__ void fence_accumulators(float (&d)[R]) {
   for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 // Four 8x8 bf16 matrices of an mma accumulator fragment (each thread: row l/4, columns 2 (l%4) and + 1, the lower
-// column in the low half of its register), transposed: lane 8 m + i gives the address of row i of stored matrix m,
-// which is column i of fragment m (16 bytes).
-__device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, uint32_t m0, uint32_t m1, uint32_t m2, uint32_t m3) {
-  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(m0), "r"(m1),
-               "r"(m2), "r"(m3)
-               : "memory");
-}
-// The same four matrices not transposed: lane 8 m + i gives the address of row i of matrix m, which is row i of
-// fragment m (a token-major accumulator's 8 tokens x 8 features).
+// column in the low half of its register): lane 8 m + i gives the address of row i of matrix m, which is row i of
+// fragment m (a token-major accumulator's 8 tokens x 8 features, 16 bytes).
 __device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t m0, uint32_t m1, uint32_t m2, uint32_t m3) {
   asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(m0), "r"(m1),
                "r"(m2), "r"(m3)
