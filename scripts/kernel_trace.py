@@ -197,16 +197,13 @@ def per_sm_rates(timeline: list[dict]) -> dict:
     }
 
 
-def handovers(tiles: list[dict], producer: list[dict]) -> dict[str, dict]:
-    """Per pair of GEMMs (tile i -> the consumer's next tile j, same block and consumer warpgroup), the medians
-    of where the time between tile i's last wgmma and tile j's first landed stage goes: the consumer's epilogue
-    steps (the events it records: staged, placed, stored, counted, epilogue_done) and the producer's way to tile
+def handovers(by_consumer: dict[tuple[int, int], list[dict]], producer: list[dict]) -> dict[str, dict]:
+    """Per pair of GEMMs (tile i -> the consumer's next tile j, same block and consumer warpgroup: `by_consumer`'s
+    lists, in the order each consumer took its tiles), the medians of where the time between tile i's last wgmma
+    and tile j's first landed stage goes: the consumer's epilogue steps (the events it records: staged, placed, stored, counted, epilogue_done) and the producer's way to tile
     j's first stage (from its last issue of tile i: the task, its rows located, the first slot free, the first
     issue), with the first issue and the first stage's landing measured from tile i's mainloop end."""
     by_task = {(p["block"], p["index"]): p for p in producer}
-    by_consumer: dict[tuple[int, int], list[dict]] = {}
-    for t in tiles:
-        by_consumer.setdefault((t["block"], t["role"]), []).append(t)
     steps = ("mma_done", "staged", "placed", "stored", "counted", "epilogue_done")
     parts: dict[str, dict[str, list[float]]] = {}
     counts: dict[str, int] = {}
@@ -416,7 +413,7 @@ def analyse(trace: list[list[list[tuple]]], H: int, I: int, fp8: bool = False) -
         "consumer_tiles": groups,
         "producer_tiles": producer_summary,
         "transitions": transitions,
-        "handovers": handovers(tiles, producer),
+        "handovers": handovers(by_consumer, producer),
         "streaming_timeline": timeline,
         "per_sm_rates": per_sm_rates(timeline),
     }
