@@ -40,7 +40,7 @@ __global__ void __launch_bounds__(384, 1) prefill_stage(const __grid_constant__ 
   __shared__ uint64_t full[kRing], empty[kRing];
   setup_ring(base, full, empty, c, kRing * kStageBytes, 0x30303030u);
   const int wg = threadIdx.x / 128;
-  const int weight_rows = c.weights == kWeightsHbm ? static_cast<int>(kHbmRows) : kL2Rows;
+  const int weight_rows = c.weights == kWeightsL2 ? kL2Rows : static_cast<int>(kHbmRows);
   const int weight_tiles = weight_rows / 128;
   if (wg == 0) {  // producer
     produce_ring<1, kRing, kStageBytes>(base, full, empty, &weights_map, &tokens_map, tokens, kK, kTokenRows,
@@ -51,11 +51,11 @@ __global__ void __launch_bounds__(384, 1) prefill_stage(const __grid_constant__ 
 #pragma unroll
     for (int i = 0; i < 64; ++i) acc[i] = 0.f;
     const float lo = 1.001f, hi = 0.999f;  // the promotion's scale products (their loads are not the question)
-    int s = 0;
-    uint32_t phase = 0;
+    RingPosition<kRing> at;
     for (int i = 0; i < c.tiles_per_block; ++i)
       for (int ks = 0; ks < kKSteps; ++ks) {
-        while (!mbar_try_wait(&full[s], phase)) {
+        const int s = at.slot;
+        while (!mbar_try_wait(&full[s], at.phase)) {
         }
         if (c.tokens == kTokensGather) fence_proxy_async();  // cp.async rows (generic proxy) before wgmma reads them
         if (c.math) {
@@ -82,10 +82,7 @@ __global__ void __launch_bounds__(384, 1) prefill_stage(const __grid_constant__ 
           __syncwarp();
           if (lane == 0) mbar_arrive(&empty[s]);
         }
-        if (++s == kRing) {
-          s = 0;
-          phase ^= 1u;
-        }
+        at.advance();
       }
     float total = 0.f;
 #pragma unroll
