@@ -353,6 +353,7 @@ template <bool kWide = false>
 __device__ __forceinline__ int64_t store_outputs(const Params& p, const PeerTable& peers, bool any_proxied,
                                                  const GemmSmem& g, const Task& task, const Staged& staged, int column,
                                                  int consumer, int& put_tiles, uint32_t* combine_chunks) {
+  any_proxied = kDevicePuts && any_proxied;  // the default build has no puts (comm.cuh): their code compiles out
   static_assert(kPutRingTiles % 2 == 0 && kConsumerRows / 2 * kWideBoxes * kWideStagingFeatures <=
                                               kMaxTileTokens * kConsumerRows,
                 "a wide consumer's rows fill its part of two ring slots");
@@ -383,14 +384,16 @@ __device__ __forceinline__ int64_t store_outputs(const Params& p, const PeerTabl
   trace(kTraceConsumerStaged);
   cp_async_wait_all();  // this thread's prefetched entry
   int source = -1;
-  if (tid < rows) {  // where each row goes: (source rank, element offset in its combine buffer)
+  if (tid < rows) {  // where each row goes: its source rank, and its address there (by NVLink) or element offset
     const int entry = row_rank[tid];
     const int64_t row = entry >> 4;  // source * max_tokens + slot
     const int j = entry & 15;
     const int token = ldcg(meta + row * meta_stride(k));
     source = static_cast<int>(row / p.max_tokens_per_rank);
     row_rank[tid] = source;
-    row_dst[tid] = (static_cast<int64_t>(token) * k + j) * H + column;
+    const int64_t offset = (static_cast<int64_t>(token) * k + j) * H + column;  // in the source's combine rows
+    bf16* const rows_there = reinterpret_cast<bf16*>(peers.base[source] + p.sym_off.combine_rows);  // kept by NVLink
+    row_dst[tid] = use_p2p(peers, source) ? reinterpret_cast<int64_t>(rows_there + offset) : offset;
   }
   // The chunks per source: one shared-memory add per source and warp (rows of one source would contend).
   const unsigned same_source = __match_any_sync(0xffffffffu, source);
@@ -399,12 +402,8 @@ __device__ __forceinline__ int64_t store_outputs(const Params& p, const PeerTabl
   consumer_sync(consumer);
   trace(kTraceConsumerPlaced);
   const auto emit = [&](int r, int q, int dst, const uint4& value) {  // 16-byte chunk q of row r
-    if (use_p2p(peers, dst)) {
-      bf16* base = reinterpret_cast<bf16*>(peers.base[dst] + p.sym_off.combine_rows);
-      *reinterpret_cast<uint4*>(base + row_dst[r] + q * 8) = value;
-    } else {
-      *reinterpret_cast<uint4*>(put_row(r) + q * 8) = value;
-    }
+    if (use_p2p(peers, dst)) *reinterpret_cast<uint4*>(reinterpret_cast<bf16*>(row_dst[r]) + q * 8) = value;
+    else *reinterpret_cast<uint4*>(put_row(r) + q * 8) = value;
   };
   if constexpr (kWide) {  // two staging areas of 128 features (gemm.cuh store_plain_wide)
     constexpr int kAreaChunks = kWideStagingFeatures / 8;
@@ -416,13 +415,18 @@ __device__ __forceinline__ int64_t store_outputs(const Params& p, const PeerTabl
       if (q == 0 && dst != p.rank) remote_bytes += features * 2;
     }
   } else {
-    const int chunks = features / 8;  // 16-byte chunks per row
-    for (int c = tid; c < rows * chunks; c += 128) {
-      const int r = c / chunks, q = c - r * chunks;
-      const int dst = row_rank[r];
-      emit(r, q, dst, *reinterpret_cast<const uint4*>(staged.rows + r * staged.stride + q * 8));
-      if (q == 0 && dst != p.rank) remote_bytes += features * 2;
+    // 64 or 128 features: 8 or 16 chunks of 16 bytes per row. Without proxied peers a chunk's address is its row's
+    // row_dst plus the chunk: a loop that looked up the row's rank, the rank's base and the row's offset one after
+    // the other before every store took ~2 us of a 128-token fp8 GEMM1 tile's 3.4 us epilogue (kernel-notes.md,
+    // thirty-fifth session). (Loading several chunks before the first store spilled the fp8 mainloop's registers.)
+    const int chunk_shift = 31 - __clz(features / 8), total = rows << chunk_shift;
+    for (int c = tid; c < total; c += 128) {
+      const int r = c >> chunk_shift, q = c & ((1 << chunk_shift) - 1);
+      const uint4 value = *reinterpret_cast<const uint4*>(staged.rows + r * staged.stride + q * 8);
+      bf16* out = !any_proxied || use_p2p(peers, row_rank[r]) ? reinterpret_cast<bf16*>(row_dst[r]) : put_row(r);
+      *reinterpret_cast<uint4*>(out + q * 8) = value;
     }
+    if (tid < rows && row_rank[tid] != p.rank) remote_bytes += features * 2;
   }
   if (any_proxied) {
     // Proxied rows: one put per row segment from the staging slot.
