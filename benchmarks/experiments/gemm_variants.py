@@ -551,8 +551,8 @@ VARIANTS = {
     "no_gemm1_copy": [
         (
             "csrc/flashmoe/tasks.cuh",
-            "    for (int c = tid; c < rows * chunks; c += 128) {",
-            "    for (int c = tid; c < rows * chunks * 0; c += 128) {",
+            "    for (int c = tid; c < total; c += 128) {",
+            "    for (int c = tid; c < total * 0; c += 128) {",
         ),
         (  # wide tiles (bf16 prefill)
             "csrc/flashmoe/tasks.cuh",
