@@ -251,7 +251,7 @@ struct GemmSmem {
     return reinterpret_cast<float*>(base() + kPoolOffset + kStagePoolBytes) + s * kScaleSlotFloats;
   }
   // A GEMM1 consumer's rows (tasks.cuh store_outputs): where each goes, its address in the source's combine rows
-  // (reached by NVLink) or its element offset there (a proxied source), and the source's rank.
+  // (reached by NVLink) or its element offset there (a proxied source); row_rank holds the source's rank.
   __device__ int64_t* row_dst(int consumer) const {
     return reinterpret_cast<int64_t*>(base() + kRowDstOffset) + consumer * kMaxTileTokens;
   }

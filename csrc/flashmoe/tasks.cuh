@@ -392,7 +392,7 @@ __device__ __forceinline__ int64_t store_outputs(const Params& p, const PeerTabl
     source = static_cast<int>(row / p.max_tokens_per_rank);
     row_rank[tid] = source;
     const int64_t offset = (static_cast<int64_t>(token) * k + j) * H + column;  // in the source's combine rows
-    bf16* const rows_there = reinterpret_cast<bf16*>(peers.base[source] + p.sym_off.combine_rows);  // kept by NVLink
+    bf16* const rows_there = reinterpret_cast<bf16*>(peers.base[source] + p.sym_off.combine_rows);  // NVLink only
     row_dst[tid] = use_p2p(peers, source) ? reinterpret_cast<int64_t>(rows_there + offset) : offset;
   }
   // The chunks per source: one shared-memory add per source and warp (rows of one source would contend).
