@@ -46,7 +46,7 @@ __global__ void __launch_bounds__(384, 1) prefill_stage(const __grid_constant__ 
     produce_ring<1, kRing, kStageBytes>(base, full, empty, &weights_map, &tokens_map, tokens, kK, kTokenRows,
                                         weight_tiles, c);
   } else {  // consumers
-    const int consumer = wg - 1, lane = threadIdx.x & 31;
+    const int consumer = wg - 1;
     float acc[64];
 #pragma unroll
     for (int i = 0; i < 64; ++i) acc[i] = 0.f;
@@ -69,8 +69,7 @@ __global__ void __launch_bounds__(384, 1) prefill_stage(const __grid_constant__ 
           wgmma_commit();
           wgmma_wait<0>();
           fence_accumulators(partial);
-          __syncwarp();
-          if (lane == 0) mbar_arrive(&empty[s]);
+          release_stage(&empty[s]);
 #pragma unroll
           for (int j = 0; j < 16; ++j) {
             acc[4 * j] = fmaf(lo, partial[4 * j], acc[4 * j]);
@@ -79,15 +78,11 @@ __global__ void __launch_bounds__(384, 1) prefill_stage(const __grid_constant__ 
             acc[4 * j + 3] = fmaf(hi, partial[4 * j + 3], acc[4 * j + 3]);
           }
         } else {
-          __syncwarp();
-          if (lane == 0) mbar_arrive(&empty[s]);
+          release_stage(&empty[s]);
         }
         at.advance();
       }
-    float total = 0.f;
-#pragma unroll
-    for (int i = 0; i < 64; ++i) total += acc[i];
-    if (total == 12345.f) sink[threadIdx.x] = total;
+    sink_sums(acc, sink);
   }
 }
 

@@ -39,6 +39,21 @@ struct RingPosition {
   }
 };
 
+// A consumer warp's release of a stage it has read (the ring's empty barrier counts every consumer warp once).
+__device__ __forceinline__ void release_stage(uint64_t* empty) {
+  __syncwarp();
+  if ((threadIdx.x & 31) == 0) flashmoe::mbar_arrive(empty);
+}
+
+// Keeps the sums' math alive: their total is stored only if it equals a value these inputs never give.
+template <int R>
+__device__ __forceinline__ void sink_sums(const float (&acc)[R], float* sink) {
+  float total = 0.f;
+#pragma unroll
+  for (int i = 0; i < R; ++i) total += acc[i];
+  if (total == 12345.f) sink[threadIdx.x] = total;
+}
+
 // The weight tile tile `tile` reads (of `weight_tiles`).
 __device__ __forceinline__ int weight_tile_of(int tile, int weight_tiles, const Config& c) {
   return (c.weights == kWeightsHbmShared4 ? tile / 4 : tile) % weight_tiles;

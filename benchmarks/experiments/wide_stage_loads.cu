@@ -89,17 +89,13 @@ __global__ void __launch_bounds__(384, 1) wide_stage_loads(const __grid_constant
           if (previous >= 0 && lane == 0) mbar_arrive(&empty[previous]);
           previous = s;
         } else {
-          __syncwarp();
-          if (lane == 0) mbar_arrive(&empty[s]);
+          release_stage(&empty[s]);
         }
         at.advance();
       }
     wgmma_wait<0>();
     fence_accumulators(acc);
-    float total = 0.f;
-#pragma unroll
-    for (int i = 0; i < 128; ++i) total += acc[i];
-    if (total == 12345.f) sink[threadIdx.x] = total;
+    sink_sums(acc, sink);
   }
 }
 
