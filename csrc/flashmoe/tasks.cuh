@@ -401,33 +401,30 @@ __device__ __forceinline__ int64_t store_outputs(const Params& p, const PeerTabl
     atomicAdd(combine_chunks + source, static_cast<uint32_t>(__popc(same_source) * features / kCombineChunkFeatures));
   consumer_sync(consumer);
   trace(kTraceConsumerPlaced);
-  const auto emit = [&](int r, int q, int dst, const uint4& value) {  // 16-byte chunk q of row r
-    if (use_p2p(peers, dst)) *reinterpret_cast<uint4*>(reinterpret_cast<bf16*>(row_dst[r]) + q * 8) = value;
-    else *reinterpret_cast<uint4*>(put_row(r) + q * 8) = value;
+  // Row r's destination: row_dst's address (NVLink; every row without proxied peers), else its slot in the put ring.
+  // Looking up the row's rank, the rank's base and the row's offset one after the other before every 16-byte store
+  // took ~2 us of a 128-token fp8 GEMM1 tile's 3.4 us epilogue (kernel-notes.md, thirty-fifth session). (Loading
+  // several chunks before the first store spilled the fp8 mainloop's registers.)
+  const auto row_out = [&](int r) {
+    return !any_proxied || use_p2p(peers, row_rank[r]) ? reinterpret_cast<bf16*>(row_dst[r]) : put_row(r);
   };
   if constexpr (kWide) {  // two staging areas of 128 features (gemm.cuh store_plain_wide)
     constexpr int kAreaChunks = kWideStagingFeatures / 8;
     for (int c = tid; c < rows * 2 * kAreaChunks; c += 128) {
       const int r = c / (2 * kAreaChunks), q = c - r * (2 * kAreaChunks);
-      const int dst = row_rank[r];
       const bf16* area = q < kAreaChunks ? staged.rows : staged.rows_hi;
-      emit(r, q, dst, *reinterpret_cast<const uint4*>(area + wide_chunk(r, q % kAreaChunks) * 8));
-      if (q == 0 && dst != p.rank) remote_bytes += features * 2;
+      const uint4 value = *reinterpret_cast<const uint4*>(area + wide_chunk(r, q % kAreaChunks) * 8);
+      *reinterpret_cast<uint4*>(row_out(r) + q * 8) = value;
     }
-  } else {
-    // 64 or 128 features: 8 or 16 chunks of 16 bytes per row. Without proxied peers a chunk's address is its row's
-    // row_dst plus the chunk: a loop that looked up the row's rank, the rank's base and the row's offset one after
-    // the other before every store took ~2 us of a 128-token fp8 GEMM1 tile's 3.4 us epilogue (kernel-notes.md,
-    // thirty-fifth session). (Loading several chunks before the first store spilled the fp8 mainloop's registers.)
+  } else {  // 64 or 128 features: 8 or 16 chunks of 16 bytes per row
     const int chunk_shift = 31 - __clz(features / 8), total = rows << chunk_shift;
     for (int c = tid; c < total; c += 128) {
       const int r = c >> chunk_shift, q = c & ((1 << chunk_shift) - 1);
       const uint4 value = *reinterpret_cast<const uint4*>(staged.rows + r * staged.stride + q * 8);
-      bf16* out = !any_proxied || use_p2p(peers, row_rank[r]) ? reinterpret_cast<bf16*>(row_dst[r]) : put_row(r);
-      *reinterpret_cast<uint4*>(out + q * 8) = value;
+      *reinterpret_cast<uint4*>(row_out(r) + q * 8) = value;
     }
-    if (tid < rows && row_rank[tid] != p.rank) remote_bytes += features * 2;
   }
+  if (tid < rows && row_rank[tid] != p.rank) remote_bytes += features * 2;
   if (any_proxied) {
     // Proxied rows: one put per row segment from the staging slot.
     consumer_sync(consumer);
