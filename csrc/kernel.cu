@@ -186,6 +186,8 @@ void launch(const LaunchArgs& a, const Capacity& cap, cudaStream_t stream) {
   require(a.hidden_size <= cap.hidden_size && a.intermediate_size <= cap.intermediate_size && a.top_k <= cap.top_k && a.num_local <= cap.max_local,
           "layer shape exceeds the buffers' capacity");
   require(a.run.world_size == cap.world_size && a.run.world_size <= kMaxWorld, "world size mismatch with the buffers");
+  require(packed_entries_fit(cap), "capacity too large for the expert lists' 32-bit entries: world_size x "
+                                  "max_tokens_per_rank must stay below 2^27 and max_tokens_per_rank x top_k below 2^25");
   require(a.run.node_size >= 1 && a.run.world_size % a.run.node_size == 0, "node_size must divide the world size");
   require(a.hidden_size % kHiddenMultiple == 0 && a.intermediate_size % kInterMultiple == 0,
           "hidden must be a multiple of " + std::to_string(kHiddenMultiple) + " and intermediate of " +

@@ -15,6 +15,7 @@
 //              send_meta     W*T*(1+k)*4      put path only
 //              combine_stage B*R*128*128*2    put path only: a ring of R GEMM1 output tiles per block
 //   workspace  expert_rows   E_l*W*T*4        per local expert: received (row, j) entries
+//              combine_targets E_l*W*T*4      beside each entry: where its GEMM1 output row goes (combine_target)
 //              act           W*T*min(k,E_l)*I*2   SwiGLU activations, grouped by expert (fp8 layers: e4m3)
 //              act_scales    W*T*min(k,E_l)*(I/128)*4  fp8 layers: their per-128-group scales
 //              gemm0_partials B*2*32 KiB     split GEMM0 tiles (small T): fp32 partial sums per (tile, rows, split)
@@ -45,7 +46,7 @@ struct SymLayout {
 };
 
 struct WorkspaceLayout {
-  int64_t expert_rows, act, act_scales;
+  int64_t expert_rows, combine_targets, act, act_scales;
   int64_t rank_send_count;   // [W] u64   per destination: rows this rank sends (low half: the atomic slots) and
                              //           their (row, top-k slot) entries there (high half)
   int64_t proxied_chunks;    // [W] u64   put path: combine chunks written for each proxied source, sent after a quiet
@@ -80,6 +81,23 @@ constexpr int kSplitRowGroups = 2;  // = kConsumers: a split-width tile's two co
 
 __host__ __device__ inline int64_t meta_stride(int64_t top_k) { return 1 + top_k; }
 
+// An expert-list entry (subscriber.cuh) packs its received row and top-k slot: row << 4 | j, so W x T < 2^27.
+// Its combine target packs where the GEMM1 output row goes: combine row (token x k + j) of the source's combine
+// rows, and the source: (token x k + j) << 6 | source, so T x k < 2^25. The list building reads the token from the
+// row's metadata once; a GEMM1 epilogue then finds each row's destination without a dependent load.
+constexpr int kTargetSourceBits = 6;
+static_assert(1 << kTargetSourceBits == kMaxWorld, "a combine target's source field holds any rank");
+__host__ __device__ constexpr int combine_target(int source, int token, int top_k, int j) {
+  return (token * top_k + j) << kTargetSourceBits | source;
+}
+__host__ __device__ constexpr int target_source(int target) { return target & (kMaxWorld - 1); }
+__host__ __device__ constexpr int target_row(int target) { return target >> kTargetSourceBits; }
+// Whether a capacity's entries and targets fit their 31 bits.
+__host__ __device__ inline bool packed_entries_fit(const Capacity& c) {
+  return c.world_size * c.max_tokens_per_rank < (int64_t{1} << 27) &&
+         c.max_tokens_per_rank * c.top_k < (int64_t{1} << (31 - kTargetSourceBits));
+}
+
 __host__ __device__ inline SymLayout sym_layout(const Capacity& c) {
   SymLayout l{};
   int64_t off = 0;
@@ -109,6 +127,7 @@ __host__ __device__ inline WorkspaceLayout workspace_layout(const Capacity& c) {
   int64_t off = 0;
   auto take = [&](int64_t bytes) { int64_t o = off; off += align_up(bytes); return o; };
   l.expert_rows = take(c.max_local * c.world_size * c.max_tokens_per_rank * 4);
+  l.combine_targets = take(c.max_local * c.world_size * c.max_tokens_per_rank * 4);
   // Expert e's rows start at the prefix of the counts before it; tiles read and write only valid rows.
   l.act = take(max_received_entries(c) * c.intermediate_size * 2);
   l.act_scales = take(max_received_entries(c) * (c.intermediate_size / kHiddenMultiple) * 4);

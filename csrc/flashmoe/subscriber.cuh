@@ -31,28 +31,44 @@ static __device__ void wait_dispatch(const Params& p, uint32_t epoch, Received& 
 
 // Received row `received` (counted over the sources in order) -> its row in the receive area: source x
 // max_tokens_per_rank + slot.
-__device__ __forceinline__ int64_t received_row(const Params& p, const Received& recv, int received) {
+struct ReceivedRow {
+  int64_t row;
+  int source;
+};
+__device__ __forceinline__ ReceivedRow received_row(const Params& p, const Received& recv, int received) {
   int s = 0, slot = received;
   while (slot >= recv.rows[s]) slot -= recv.rows[s++];
-  return static_cast<int64_t>(s) * p.max_tokens_per_rank + slot;
+  return {static_cast<int64_t>(s) * p.max_tokens_per_rank + slot, s};
 }
 
-// One thread per received (row, top-k slot): append (row, j) to its expert's list. Per entry, not per row, so
+// One list entry: the expert its top-k slot j names (negative: not a local expert), the entry (row, j) and its
+// combine target (layout.cuh), whose token comes from the row's metadata (both loads in flight at once).
+struct ListEntry {
+  int local, entry, target;
+};
+__device__ __forceinline__ ListEntry list_entry(const Params& p, const int* meta, ReceivedRow r, int j) {
+  const int* row_meta = meta + r.row * meta_stride(p.top_k);
+  const int local = ldcg(row_meta + 1 + j);
+  const int token = ldcg(row_meta);
+  return {local, static_cast<int>(r.row << 4) | j, combine_target(r.source, token, p.top_k, j)};
+}
+
+// One thread per received (row, top-k slot): append the entry to its expert's list. Per entry, not per row, so
 // no thread runs k dependent load -> atomic -> store chains in a row.
 static __device__ void build_expert_lists(const Params& p, const Received& recv) {
   const int k = p.top_k;
-  const int64_t mstride = meta_stride(k);
   const int* meta = sym_ptr<int>(p, p.sym_off.recv_meta);
   uint32_t* expert_count = ws_ptr<uint32_t>(p, p.ws_off.expert_count);
   int* expert_rows = ws_ptr<int>(p, p.ws_off.expert_rows);
+  int* targets = ws_ptr<int>(p, p.ws_off.combine_targets);
   const int entries = recv.total * k;
   for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < entries; i += gridDim.x * blockDim.x) {
     const int received = i / k, j = i - received * k;
-    const int64_t row = received_row(p, recv, received);
-    const int local = ldcg(meta + row * mstride + 1 + j);
-    if (local < 0) continue;
-    const uint32_t pos = atomicAdd(expert_count + local, 1u);
-    expert_rows[static_cast<int64_t>(local) * p.expert_rows_stride + pos] = static_cast<int>(row << 4) | j;
+    const ListEntry e = list_entry(p, meta, received_row(p, recv, received), j);
+    if (e.local < 0) continue;
+    const int64_t at = static_cast<int64_t>(e.local) * p.expert_rows_stride + atomicAdd(expert_count + e.local, 1u);
+    expert_rows[at] = e.entry;
+    targets[at] = e.target;
   }
 }
 
@@ -76,35 +92,35 @@ static __device__ void build_expert_lists_in_block(const Params& p, const Receiv
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int* meta = sym_ptr<int>(p, p.sym_off.recv_meta);
   for (int i = threadIdx.x; i < kListRounds * kWarps * num_local; i += blockDim.x) warp_counts[i] = 0;
-  int local[kListRounds], entry[kListRounds];
+  ListEntry e[kListRounds];
   unsigned same[kListRounds];
 #pragma unroll
-  for (int r = 0; r < kListRounds; ++r) {  // every round's load in flight at once
+  for (int r = 0; r < kListRounds; ++r) {  // every round's loads in flight at once
     const int i = r * kThreads + static_cast<int>(threadIdx.x);
-    local[r] = -1;
-    entry[r] = 0;
+    e[r] = ListEntry{-1, 0, 0};
     if (i < entries) {
       const int received = i / k, j = i - received * k;
-      const int64_t row = received_row(p, recv, received);
-      local[r] = ldcg(meta + row * meta_stride(k) + 1 + j);
-      entry[r] = static_cast<int>(row << 4) | j;
+      e[r] = list_entry(p, meta, received_row(p, recv, received), j);
     }
   }
 #pragma unroll
-  for (int r = 0; r < kListRounds; ++r) same[r] = __match_any_sync(0xffffffffu, local[r]);
+  for (int r = 0; r < kListRounds; ++r) same[r] = __match_any_sync(0xffffffffu, e[r].local);
   __syncthreads();  // scratch zeroed
 #pragma unroll
   for (int r = 0; r < kListRounds; ++r)
-    if (local[r] >= 0 && __ffs(same[r]) - 1 == lane)
-      warp_counts[(r * kWarps + warp) * num_local + local[r]] = static_cast<uint8_t>(__popc(same[r]));
+    if (e[r].local >= 0 && __ffs(same[r]) - 1 == lane)
+      warp_counts[(r * kWarps + warp) * num_local + e[r].local] = static_cast<uint8_t>(__popc(same[r]));
   __syncthreads();
   int* lists = ws_ptr<int>(p, p.ws_off.expert_rows);
+  int* targets = ws_ptr<int>(p, p.ws_off.combine_targets);
 #pragma unroll
   for (int r = 0; r < kListRounds; ++r) {
-    if (local[r] < 0) continue;
+    if (e[r].local < 0) continue;
     int pos = __popc(same[r] & ((1u << lane) - 1u));
-    for (int w = 0; w < r * kWarps + warp; ++w) pos += warp_counts[w * num_local + local[r]];
-    lists[static_cast<int64_t>(local[r]) * p.expert_rows_stride + pos] = entry[r];
+    for (int w = 0; w < r * kWarps + warp; ++w) pos += warp_counts[w * num_local + e[r].local];
+    const int64_t at = static_cast<int64_t>(e[r].local) * p.expert_rows_stride + pos;
+    lists[at] = e[r].entry;
+    targets[at] = e[r].target;
   }
   const int warps = ceil_div(entries, 32);  // warps (over all rounds) holding entries
   for (int e = threadIdx.x; e < num_local; e += blockDim.x) {

@@ -328,20 +328,22 @@ __device__ __forceinline__ void store_activations_fp8(const Params& p, const Gem
   trace(kTraceConsumerCounted);
 }
 
-// Before a GEMM1 mainloop: the expert-list entries of the consumer's token rows into its row table by cp.async,
-// so they arrive while the mainloop runs and store_outputs waits for one dependent load per row (the token's
-// meta), not two. The lists were written in the receive phase, before the grid barrier's acquire.
+// Before a GEMM1 mainloop: the combine targets of the consumer's token rows (layout.cuh, beside the expert-list
+// entries) into its row table by cp.async, so they arrive while the mainloop runs and store_outputs places its rows
+// without a load of its own. The lists were written in the receive phase, before the grid barrier's acquire.
+// (With the list entries instead, each row's token came from the row's metadata, one dependent L2 load: ~0.6 us
+// of a 128-token fp8 GEMM1 tile's epilogue, benchmarks/kernel-notes.md.)
 __device__ __forceinline__ void prefetch_row_entries(const Params& p, const GemmSmem& g, const Task& task,
                                                      TokenRange tokens, int consumer) {
   const int tid = threadIdx.x & 127;
+  const int* targets = expert_list(ws_ptr<int>(p, p.ws_off.combine_targets), p.expert_rows_stride, task.expert);
   if (tid < tokens.valid(task.rows))
-    cp_async_4(smem_addr(g.row_rank(consumer) + tid), expert_list(p, task.expert) + task.first_row + tokens.first + tid,
-               true);
+    cp_async_4(smem_addr(g.row_rank(consumer) + tid), targets + task.first_row + tokens.first + tid, true);
 }
 
 // GEMM1 epilogue of one consumer: its output features of the tile's rows into the owners' combine buffers,
 // counted per source in `combine_chunks` (the block's; moe_layer.cuh finish_gemm_phase sends them).
-// The row table holds the rows' list entries (prefetch_row_entries).
+// The row table holds the rows' combine targets (prefetch_row_entries).
 // Returns the bytes sent to other ranks (metrics). Proxied rows go out as non-blocking puts from slot
 // `put_tiles % kPutRingTiles` of the block's staging ring; the one quiet that lets the ring be rewritten comes
 // when it wraps, and the GEMM phase's last block quiets once more before it sends the proxied sources their counts
@@ -358,8 +360,7 @@ __device__ __forceinline__ int64_t store_outputs(const Params& p, const PeerTabl
                                               kMaxTileTokens * kConsumerRows,
                 "a wide consumer's rows fill its part of two ring slots");
   const int tid = threadIdx.x & 127;
-  const int k = p.top_k, H = p.hidden_size;
-  const int* meta = sym_ptr<int>(p, p.sym_off.recv_meta);
+  const int H = p.hidden_size;
   int64_t* row_dst = g.row_dst(consumer);
   int* row_rank = g.row_rank(consumer);
   const int features = staged.features;
@@ -382,16 +383,13 @@ __device__ __forceinline__ int64_t store_outputs(const Params& p, const PeerTabl
   }
   int64_t remote_bytes = 0;
   trace(kTraceConsumerStaged);
-  cp_async_wait_all();  // this thread's prefetched entry
+  cp_async_wait_all();  // this thread's prefetched target
   int source = -1;
   if (tid < rows) {  // where each row goes: its source rank, and its address there (by NVLink) or element offset
-    const int entry = row_rank[tid];
-    const int64_t row = entry >> 4;  // source * max_tokens + slot
-    const int j = entry & 15;
-    const int token = ldcg(meta + row * meta_stride(k));
-    source = static_cast<int>(row / p.max_tokens_per_rank);
+    const int target = row_rank[tid];
+    source = target_source(target);
     row_rank[tid] = source;
-    const int64_t offset = (static_cast<int64_t>(token) * k + j) * H + column;  // in the source's combine rows
+    const int64_t offset = static_cast<int64_t>(target_row(target)) * H + column;  // in the source's combine rows
     bf16* const rows_there = reinterpret_cast<bf16*>(peers.base[source] + p.sym_off.combine_rows);  // NVLink only
     row_dst[tid] = use_p2p(peers, source) ? reinterpret_cast<int64_t>(rows_there + offset) : offset;
   }
