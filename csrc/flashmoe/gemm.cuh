@@ -357,15 +357,30 @@ __host__ __device__ constexpr int call_tile_tokens(int rows, int max_rows) {
 static_assert(call_tile_tokens(3, 16) == 16 && call_tile_tokens(3, 17) == 32 && call_tile_tokens(100, 100) == 128,
               "tile width rule");
 
-// Runs f(std::integral_constant<int, N>{}) for a tile width N from call_tile_tokens: 16 in a decode call
-// (kDecode: every expert fits a 16-token tile), else 32, 64 or 128. The GEMM phase is compiled once per kind of
-// call (moe_layer), so a decode call runs producer and consumer code that holds its width alone: the widths'
-// instantiations are most of the phase's code, and a decode call is 2-7% faster without the others in its path
-// (benchmarks/kernel-notes.md, twenty-fourth session).
-template <bool kDecode, typename F>
+// A full call (fp8): every expert with rows has more than 64, so every tile of the call is 128 tokens wide.
+__host__ __device__ constexpr bool full_call(int min_rows) { return min_rows > 64; }
+static_assert(call_tile_tokens(65, 300) == kMaxTileTokens && full_call(65) && !full_call(64), "full call rule");
+
+// The tile widths one compilation of the GEMM phase runs. The phase is compiled once per kind of call (moe_layer.cuh
+// picks it from the expert table: every block reads the same table, so all take the same branch), so a call runs
+// producer and consumer code that holds its widths alone: the widths' instantiations are most of the phase's code,
+// and a decode call was 2-7% faster (twenty-fourth session), an fp8 prefill call ~3% (thirty-sixth), without the
+// others in its path (benchmarks/kernel-notes.md).
+enum class CallTiles {
+  kDecode,  // decode_call: 16-token tiles, one per expert
+  kFull,    // full_call, fp8 only: 128-token tiles
+  kAny,     // 32, 64 or 128 tokens per expert (call_tile_tokens)
+};
+template <CallTiles kTiles>
+using CallTilesConstant = std::integral_constant<CallTiles, kTiles>;
+
+// Runs f(std::integral_constant<int, N>{}) for a tile width N from call_tile_tokens, of the widths kTiles holds.
+template <CallTiles kTiles, typename F>
 __device__ __forceinline__ void with_tile_tokens(int n, F&& f) {
-  if constexpr (kDecode) {
+  if constexpr (kTiles == CallTiles::kDecode) {
     f(std::integral_constant<int, kDecodeTileTokens>{});
+  } else if constexpr (kTiles == CallTiles::kFull) {
+    f(std::integral_constant<int, kMaxTileTokens>{});
   } else {
     if (n == 32) f(std::integral_constant<int, 32>{});
     else if (n == 64) f(std::integral_constant<int, 64>{});
@@ -383,12 +398,12 @@ __device__ __forceinline__ void with_tile_tokens(int n, F&& f) {
 // the weights of that step are already on their way). All 128 producer threads call it with the same
 // arguments. A stage takes stage_k_steps(n, kFp8) K steps. kWide: a wide tile (n = 128, bf16), whose
 // issue_weights loads both boxes of the stage (kWideBoxes x kStageWeightBytes).
-template <bool kFp8, bool kDecode, bool kWide = false, typename RowAt, typename ScaleAt, typename IssueWeights,
+template <bool kFp8, CallTiles kTiles, bool kWide = false, typename RowAt, typename ScaleAt, typename IssueWeights,
           typename RowsReady>
 __device__ __forceinline__ void produce_tile(const Params& p, const GemmSmem& g, PipeState& st, int n, int rows,
                                              int k_steps, RowAt row_at, ScaleAt scale_at, IssueWeights issue_weights,
                                              RowsReady rows_ready) {
-  static_assert(!kWide || (!kFp8 && !kDecode), "wide tiles: bf16 prefill");
+  static_assert(!kWide || (!kFp8 && kTiles == CallTiles::kAny), "wide tiles: bf16 prefill");
   const auto body = [&](auto tile) {
     constexpr int N = decltype(tile)::value;
     constexpr int kSteps = stage_k_steps(N, kFp8);
@@ -450,7 +465,7 @@ __device__ __forceinline__ void produce_tile(const Params& p, const GemmSmem& g,
     trace(kTraceProducerLastIssue, static_cast<uint32_t>(waited));
   };
   if constexpr (kWide) body(std::integral_constant<int, kMaxTileTokens>{});
-  else with_tile_tokens<kDecode>(n, body);
+  else with_tile_tokens<kTiles>(n, body);
 }
 
 // Consumers: wait until the current stage has landed (trace builds time the wait), then make its cp.async
@@ -1120,12 +1135,12 @@ FLASHMOE_MAINLOOP PipeState mma_fp8_tile_to_staging(const Params& p, const GemmS
 }
 
 // `sk`: the split of a split GEMM0 tile (bf16), default: the whole tile.
-template <bool kGateUp, bool kFp8, bool kDecode>
+template <bool kGateUp, bool kFp8, CallTiles kTiles>
 __device__ __forceinline__ Staged mma_tile_to_staging(const Params& p, const GemmSmem& g, PipeState& st,
                                                       int tile_tokens, int k_steps, const SplitK& sk = SplitK{}) {
   const int consumer = threadIdx.x / 128 - 1;
   Staged out{};
-  with_tile_tokens<kDecode>(tile_tokens, [&](auto tile) {
+  with_tile_tokens<kTiles>(tile_tokens, [&](auto tile) {
     constexpr int N = decltype(tile)::value;
     st.enter<kFp8>(N);
     bf16* staging = g.staging(consumer, N, kFp8);
@@ -1166,12 +1181,12 @@ FLASHMOE_MAINLOOP void fp8_split_sums_to_staging(const SplitK sk, float* staging
 // fp32 SwiGLU values into the fp32 staging (ping-pong: the consumer's area, all 128 columns; split: the joint
 // area, this consumer's 32 columns of each pass). Returns that staging, or null for a split task whose tile's
 // last split is another one (a split task's passes leave their sums in its slot; the last adds them up).
-template <bool kDecode>
+template <CallTiles kTiles>
 __device__ __forceinline__ const float* mma_fp8_gemm0_to_staging(const Params& p, const GemmSmem& g, PipeState& st,
                                                                  int tile_tokens, int k_steps, const SplitK& sk) {
   const int consumer = threadIdx.x / 128 - 1;
   const float* out = nullptr;
-  with_tile_tokens<kDecode>(tile_tokens, [&](auto tile) {
+  with_tile_tokens<kTiles>(tile_tokens, [&](auto tile) {
     constexpr int N = decltype(tile)::value;
     st.enter<true>(N);
     float* staging = g.fp8_staging(consumer, N);
@@ -1193,9 +1208,9 @@ __device__ __forceinline__ const float* mma_fp8_gemm0_to_staging(const Params& p
 
 // A consumer warpgroup passes over a ping-pong tile the other one computes: its pipeline position moves past
 // the tile's stages (and a width change meets the block barrier like everyone else).
-template <bool kFp8, bool kDecode>
+template <bool kFp8, CallTiles kTiles>
 __device__ __forceinline__ void skip_tile(PipeState& st, int tile_tokens, int passes, int k_steps) {
-  with_tile_tokens<kDecode>(tile_tokens, [&](auto tile) {
+  with_tile_tokens<kTiles>(tile_tokens, [&](auto tile) {
     constexpr int N = decltype(tile)::value;
     st.enter<kFp8>(N);
     for (int s = passes * tile_stages(N, kFp8, k_steps); s > 0; --s) st.advance();

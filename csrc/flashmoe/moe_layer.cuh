@@ -205,16 +205,21 @@ __device__ void moe_layer(const Params& p) {
   build_expert_table<kFp8>(p, sh.table, lists_here);
   trace(kTraceGemmStart);
   busy_start(p, sh.metrics);
-  if (decode_call(sh.table.max_count)) {  // every block reads the same table: all take the same branch
-    if (producer) produce_tasks<kFp8, true>(p, gemm, sh.table);
+  const auto gemm_phase = [&](auto tiles) {  // compiled per kind of call (gemm.cuh CallTiles)
+    constexpr CallTiles kTiles = decltype(tiles)::value;
+    if (producer) produce_tasks<kFp8, kTiles>(p, gemm, sh.table);
     else
       count_metric(p, sh.metrics.remote_bytes,
-                   consume_tasks<kFp8, true>(p, sh.peers, sh.any_proxied, gemm, sh.table, sh.combine_chunks));
+                   consume_tasks<kFp8, kTiles>(p, sh.peers, sh.any_proxied, gemm, sh.table, sh.combine_chunks));
+  };
+  // Every block reads the same table: all take the same branch.
+  if (decode_call(sh.table.max_count)) {
+    gemm_phase(CallTilesConstant<CallTiles::kDecode>{});
+  } else if constexpr (kFp8) {
+    if (full_call(sh.table.min_count)) gemm_phase(CallTilesConstant<CallTiles::kFull>{});
+    else gemm_phase(CallTilesConstant<CallTiles::kAny>{});
   } else {
-    if (producer) produce_tasks<kFp8, false>(p, gemm, sh.table);
-    else
-      count_metric(p, sh.metrics.remote_bytes,
-                   consume_tasks<kFp8, false>(p, sh.peers, sh.any_proxied, gemm, sh.table, sh.combine_chunks));
+    gemm_phase(CallTilesConstant<CallTiles::kAny>{});
   }
   __threadfence_system();  // this thread's combine-row stores, before the block's arrival counts
   busy_stop(p, sh.metrics);

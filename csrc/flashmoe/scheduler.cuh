@@ -32,6 +32,8 @@
 // and runs the epilogue (gemm.cuh store_split / count_split / sum_splits).
 #pragma once
 
+#include <climits>
+
 #include "common.cuh"
 #include "gemm.cuh"
 #include "params.cuh"
@@ -55,6 +57,7 @@ struct ExpertTable {
   int row_offset[kMaxLocalExperts + 1];    // first activation row of each expert (prefix of counts)
   int tile_offset[kMaxLocalExperts + 1];   // first token tile of each expert (prefix of its tile counts)
   int max_count;                           // the most rows of any local expert
+  int min_count;                           // the fewest rows of any local expert with rows (none: INT_MAX)
   int num_local;                           // local experts (Params::num_local)
   // The call's task counts, computed once per block: the producer and consumers decode every task from them,
   // and held in each role's registers the whole-program kernel spilled them to local memory.
@@ -188,10 +191,12 @@ __device__ void build_expert_table(const Params& p, ExpertTable& t, bool counts_
   if (threadIdx.x < 32) {
     const int lane = threadIdx.x;
     int rows_before = 0, tiles_before = 0, max_count = 0;
+    unsigned min_count = INT_MAX;
     for (int base = 0; base < p.num_local; base += 32) {
       const int e = base + lane;
       const int count = e < p.num_local ? t.count[e] : 0;
       max_count = max(max_count, __reduce_max_sync(0xffffffffu, static_cast<unsigned>(count)));
+      min_count = min(min_count, __reduce_min_sync(0xffffffffu, count > 0 ? static_cast<unsigned>(count) : INT_MAX));
       const int tiles = token_tiles<kFp8>(count);
       int rows_incl = count, tiles_incl = tiles;
 #pragma unroll
@@ -214,6 +219,7 @@ __device__ void build_expert_table(const Params& p, ExpertTable& t, bool counts_
       t.row_offset[p.num_local] = rows_before;
       t.tile_offset[p.num_local] = tiles_before;
       t.max_count = max_count;
+      t.min_count = static_cast<int>(min_count);
       t.num_local = p.num_local;
       t.counts = task_counts<kFp8>(p, t);
     }
@@ -231,9 +237,11 @@ __device__ __forceinline__ uint32_t gemm0_arrivals(const ExpertTable& t, int exp
 // last expert whose first task is <= index (experts without rows own no task, so the one found has tiles) as the
 // length of the prefix of experts that start at or before it, 32 experts per shared load and ballot, instead of a
 // binary search's chain of dependent loads. A split's tile is a multiply (split_tile_of); in a decode call
-// (kDecode) every expert has one token tile, so a task's feature tile is its offset within the expert's tasks.
-template <bool kFp8, bool kDecode>
+// (gemm.cuh CallTiles) every expert has one token tile, so a task's feature tile is its offset within the expert's
+// tasks, and in a full call every tile is 128 tokens wide.
+template <bool kFp8, CallTiles kTiles>
 __device__ __forceinline__ Task decode_task(const ExpertTable& t, int index) {
+  constexpr bool kDecode = kTiles == CallTiles::kDecode;
   const TaskCounts& c = t.counts;
   Task k;
   k.gemm = index >= c.gemm0;
@@ -270,7 +278,8 @@ __device__ __forceinline__ Task decode_task(const ExpertTable& t, int index) {
   } else {
     const int tiles = t.tile_offset[expert + 1] - t.tile_offset[expert];
     k.feature_tile = local / tiles;
-    k.tile_tokens = k.wide ? kMaxTileTokens : call_tile_tokens(t.count[expert], t.max_count);
+    k.tile_tokens = k.wide || kTiles == CallTiles::kFull ? kMaxTileTokens
+                                                         : call_tile_tokens(t.count[expert], t.max_count);
     k.first_row = (local % tiles) * k.tile_tokens;
   }
   const int left = t.count[expert] - k.first_row;

@@ -90,9 +90,10 @@ struct ActReadiness {
   }
 };
 
-// The producer warpgroup's whole GEMM phase (kDecode: a decode call, gemm.cuh with_tile_tokens).
-template <bool kFp8, bool kDecode>
+// The producer warpgroup's whole GEMM phase (kTiles: the call's tile widths, gemm.cuh CallTiles).
+template <bool kFp8, CallTiles kTiles>
 static __device__ __noinline__ void produce_tasks(const Params& p, const GemmSmem& g, const ExpertTable& table) {
+  constexpr bool kDecode = kTiles == CallTiles::kDecode;
   const TaskCounts& counts = table.counts;
   const char* recv = sym_ptr<char>(p, p.sym_off.recv_tokens);
   const float* recv_scales = sym_ptr<float>(p, p.sym_off.recv_scales);
@@ -119,7 +120,7 @@ static __device__ __noinline__ void produce_tasks(const Params& p, const GemmSme
   int index;
   while ((index = next_task(p, g, queue, counts.total)) >= 0) {
     trace(kTraceProducerDecoding, index);
-    const Task task = decode_task<kFp8, kDecode>(table, index);
+    const Task task = decode_task<kFp8, kTiles>(table, index);
     trace(kTraceProducerTask, index, task.gemm << 24 | task.expert,
           task.splits << 28 | task.feature_tile << 16 | task.tile_tokens << 8 | task.rows);
     const int k_steps = task.k_steps;
@@ -137,7 +138,7 @@ static __device__ __noinline__ void produce_tasks(const Params& p, const GemmSme
       if constexpr (!kFp8 && !kDecode) {
         if (task.wide) {  // one pass (never split), both boxes of the task's 128 features a stage
           const int feature_group = task.feature_tile * kWideGemm0Features / 8;
-          produce_tile<false, false, true>(
+          produce_tile<false, CallTiles::kAny, true>(
               p, g, st, task.tile_tokens, task.rows, k_steps, row_at, scale_at,
               [&](char* stage, uint64_t* full, int ks, uint32_t, bool) {
                 for (int box = 0; box < kWideBoxes; ++box)
@@ -158,7 +159,7 @@ static __device__ __noinline__ void produce_tasks(const Params& p, const GemmSme
       for (int pass = 0; pass < kPasses; ++pass) {
         // One 5-D box = the stage: 8 groups of (8 gate rows, the same 8 features' up rows).
         const int feature_group = (task.feature_tile * gemm0_task_features(kFp8) + pass * kGemm0TileFeatures) / 8;
-        produce_tile<kFp8, kDecode>(
+        produce_tile<kFp8, kTiles>(
             p, g, st, task.tile_tokens, task.rows, k_steps, row_at, scale_at,
             [&](char* stage, uint64_t* full, int ks, uint32_t weight_scales, bool real) {
               // A zero step (produce_tile) loads the box at K = hidden: all out of bounds, zero-filled.
@@ -182,7 +183,7 @@ static __device__ __noinline__ void produce_tasks(const Params& p, const GemmSme
       if constexpr (!kFp8 && !kDecode) {
         if (task.wide) {  // both boxes of the task's 256 output features a stage
           const int w2_group = (task.expert * hidden_size + task.feature_tile * kWideGemm1Features) / 8;
-          produce_tile<false, false, true>(
+          produce_tile<false, CallTiles::kAny, true>(
               p, g, st, task.tile_tokens, task.rows, k_steps, row_at, scale_at,
               [&](char* stage, uint64_t* full, int ks, uint32_t, bool) {
                 for (int box = 0; box < kWideBoxes; ++box)
@@ -209,7 +210,7 @@ static __device__ __noinline__ void produce_tasks(const Params& p, const GemmSme
       const float* weight_scale =
           kFp8 ? w2_scale + (static_cast<int64_t>(task.expert) * hidden_groups + task.feature_tile) * inter_groups
                : nullptr;
-      produce_tile<kFp8, kDecode>(
+      produce_tile<kFp8, kTiles>(
           p, g, st, task.tile_tokens, task.rows, k_steps, row_at, scale_at,
           [&](char* stage, uint64_t* full, int ks, uint32_t weight_scales, bool real) {
             // A GEMM1 tile spans the whole K: a zero step's box (produce_tile) is past I, zero-filled.
@@ -464,9 +465,10 @@ __device__ __forceinline__ void trace_mma_done(const PipeState& st) {
 // A consumer warpgroup's whole GEMM phase. Returns the bytes its tiles sent to other ranks (metrics).
 // Both warpgroups read every task; ping-pong tiles (decode widths) alternate between them in the order the
 // block takes them, split tiles are computed by both.
-template <bool kFp8, bool kDecode>
+template <bool kFp8, CallTiles kTiles>
 __device__ int64_t consume_tasks(const Params& p, const PeerTable& peers, bool any_proxied, const GemmSmem& g,
                                  const ExpertTable& table, uint32_t* combine_chunks) {
+  constexpr bool kDecode = kTiles == CallTiles::kDecode;
   const int consumer = threadIdx.x / 128 - 1;
   const TaskCounts& counts = table.counts;
   PipeState st;
@@ -476,11 +478,11 @@ __device__ int64_t consume_tasks(const Params& p, const PeerTable& peers, bool a
   int put_tiles = 0;        // GEMM1 tiles this consumer has staged for puts (store_outputs' ring position)
   int index;
   while ((index = next_task(p, g, queue, counts.total)) >= 0) {
-    const Task task = decode_task<kFp8, kDecode>(table, index);
+    const Task task = decode_task<kFp8, kTiles>(table, index);
     const int k_steps = task.k_steps;
     if (ping_pong(task.tile_tokens, kFp8) && (ping_pong_tiles++ & 1) != consumer) {
       const int passes = kFp8 && task.gemm == 0 ? kFp8Gemm0Passes : 1;
-      skip_tile<kFp8, kDecode>(st, task.tile_tokens, passes, k_steps);
+      skip_tile<kFp8, kTiles>(st, task.tile_tokens, passes, k_steps);
       continue;
     }
     trace(kTraceConsumerTask, index);
@@ -492,7 +494,7 @@ __device__ int64_t consume_tasks(const Params& p, const PeerTable& peers, bool a
     if (task.gemm == 0) {
       if constexpr (kFp8) {
         const float* staging =
-            mma_fp8_gemm0_to_staging<kDecode>(p, g, st, task.tile_tokens, k_steps, split_k<true>(p, g, task, consumer));
+            mma_fp8_gemm0_to_staging<kTiles>(p, g, st, task.tile_tokens, k_steps, split_k<true>(p, g, task, consumer));
         trace_mma_done(st);
         if (staging != nullptr) store_activations_fp8(p, g, table, task, staging, consumer);
       } else {
@@ -508,7 +510,7 @@ __device__ int64_t consume_tasks(const Params& p, const PeerTable& peers, bool a
             continue;
           }
         }
-        const Staged staged = mma_tile_to_staging<true, false, kDecode>(p, g, st, task.tile_tokens, k_steps, split_k<false>(p, g, task, consumer));
+        const Staged staged = mma_tile_to_staging<true, false, kTiles>(p, g, st, task.tile_tokens, k_steps, split_k<false>(p, g, task, consumer));
         trace_mma_done(st);
         if (staged.rows != nullptr) {  // the whole tile, or the last of its splits
           consumer_sync(consumer);
@@ -530,7 +532,7 @@ __device__ int64_t consume_tasks(const Params& p, const PeerTable& peers, bool a
           continue;
         }
       }
-      const Staged staged = mma_tile_to_staging<false, kFp8, kDecode>(p, g, st, task.tile_tokens, k_steps);
+      const Staged staged = mma_tile_to_staging<false, kFp8, kTiles>(p, g, st, task.tile_tokens, k_steps);
       trace_mma_done(st);
       remote_bytes += store_outputs(p, peers, any_proxied, g, task, staged,
                                     task.feature_tile * kGemm1TileFeatures + staged.first_feature, consumer, put_tiles,
