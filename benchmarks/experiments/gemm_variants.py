@@ -562,13 +562,6 @@ VARIANTS = {
     ],
     # GEMM1 epilogues that do not load each row's token from the receive meta (one dependent L2 load per row after
     # the mainloop; the rows go to slot-numbered places instead): what that load costs a tile (timing only).
-    "no_row_meta": [
-        (
-            "csrc/flashmoe/tasks.cuh",
-            "    const int token = ldcg(meta + row * meta_stride(k));\n",
-            "    const int token = static_cast<int>(row % p.max_tokens_per_rank);\n    (void)meta;\n",
-        ),
-    ],
     "fp8_no_wgmma": [
         (
             "csrc/flashmoe/gemm.cuh",
