@@ -200,9 +200,10 @@ def per_sm_rates(timeline: list[dict]) -> dict:
 def handovers(by_consumer: dict[tuple[int, int], list[dict]], producer: list[dict]) -> dict[str, dict]:
     """Per pair of GEMMs (tile i -> the consumer's next tile j, same block and consumer warpgroup: `by_consumer`'s
     lists, in the order each consumer took its tiles), the medians of where the time between tile i's last wgmma
-    and tile j's first landed stage goes: the consumer's epilogue steps (the events it records: staged, placed, stored, counted, epilogue_done) and the producer's way to tile
-    j's first stage (from its last issue of tile i: the task, its rows located, the first slot free, the first
-    issue), with the first issue and the first stage's landing measured from tile i's mainloop end."""
+    and tile j's first landed stage goes: the consumer's epilogue steps (the events it records: staged, placed,
+    stored, counted, epilogue_done) and the producer's way to tile j's first stage (from its last issue of tile i:
+    the task, its rows located, the first slot free, the first issue), with the first issue and the first stage's
+    landing measured from tile i's mainloop end."""
     by_task = {(p["block"], p["index"]): p for p in producer}
     steps = ("mma_done", "staged", "placed", "stored", "counted", "epilogue_done")
     parts: dict[str, dict[str, list[float]]] = {}

@@ -357,8 +357,9 @@ __host__ __device__ constexpr int call_tile_tokens(int rows, int max_rows) {
 static_assert(call_tile_tokens(3, 16) == 16 && call_tile_tokens(3, 17) == 32 && call_tile_tokens(100, 100) == 128,
               "tile width rule");
 
-// A full call (fp8): every expert with rows has more than 64, so every tile of the call is 128 tokens wide.
-__host__ __device__ constexpr bool full_call(int min_rows) { return min_rows > 64; }
+// A full call (fp8): even the expert with the fewest rows (of those with any) takes 128-token tiles, so every tile
+// of the call is 128 tokens wide.
+__host__ __device__ constexpr bool full_call(int min_rows) { return tile_tokens_for(min_rows) == kMaxTileTokens; }
 static_assert(call_tile_tokens(65, 300) == kMaxTileTokens && full_call(65) && !full_call(64), "full call rule");
 
 // The tile widths one compilation of the GEMM phase runs. The phase is compiled once per kind of call (moe_layer.cuh

@@ -334,7 +334,7 @@ __device__ __forceinline__ void store_activations_fp8(const Params& p, const Gem
 // without a load of its own. The lists were written in the receive phase, before the grid barrier's acquire.
 // (With the list entries instead, each row's token came from the row's metadata, one dependent L2 load: ~0.6 us
 // of a 128-token fp8 GEMM1 tile's epilogue, benchmarks/kernel-notes.md.)
-__device__ __forceinline__ void prefetch_row_entries(const Params& p, const GemmSmem& g, const Task& task,
+__device__ __forceinline__ void prefetch_combine_targets(const Params& p, const GemmSmem& g, const Task& task,
                                                      TokenRange tokens, int consumer) {
   const int tid = threadIdx.x & 127;
   const int* targets = expert_list(ws_ptr<int>(p, p.ws_off.combine_targets), p.expert_rows_stride, task.expert);
@@ -344,7 +344,7 @@ __device__ __forceinline__ void prefetch_row_entries(const Params& p, const Gemm
 
 // GEMM1 epilogue of one consumer: its output features of the tile's rows into the owners' combine buffers,
 // counted per source in `combine_chunks` (the block's; moe_layer.cuh finish_gemm_phase sends them).
-// The row table holds the rows' combine targets (prefetch_row_entries).
+// The row table holds the rows' combine targets (prefetch_combine_targets).
 // Returns the bytes sent to other ranks (metrics). Proxied rows go out as non-blocking puts from slot
 // `put_tiles % kPutRingTiles` of the block's staging ring; the one quiet that lets the ring be rewritten comes
 // when it wraps, and the GEMM phase's last block quiets once more before it sends the proxied sources their counts
@@ -519,7 +519,7 @@ __device__ int64_t consume_tasks(const Params& p, const PeerTable& peers, bool a
       }
     } else {
       const TokenRange tokens = task.wide ? wide_tokens(consumer) : staged_tokens(task.tile_tokens, kFp8, consumer);
-      prefetch_row_entries(p, g, task, tokens, consumer);
+      prefetch_combine_targets(p, g, task, tokens, consumer);
       if constexpr (!kFp8 && !kDecode) {
         if (task.wide) {
           const WideStaged wide = wide_tile_to_staging<false>(p, g, st, k_steps);

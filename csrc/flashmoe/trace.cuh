@@ -52,7 +52,7 @@ enum TraceKind : uint32_t {
   kTraceConsumerSlotRead = 34,   // next_task: the published index was read
   kTraceConsumerCounted = 35,    // GEMM0 epilogue: the tile's completion counted (after the release fence)
   kTraceConsumerStaged = 36,     // epilogue: the consumer's sums are in its staging (wide GEMM0, every GEMM1)
-  kTraceConsumerPlaced = 37,     // GEMM1 epilogue: each row's destination known (the token meta loaded)
+  kTraceConsumerPlaced = 37,     // GEMM1 epilogue: each row's destination known (its combine target arrived)
   kTraceConsumerStored = 38,     // epilogue: the staged rows copied out to global memory
 };
 
